@@ -1,0 +1,69 @@
+"""Causal Wan transformer blocks: per-frame AdaLN modulation and a ``CausalContext`` passed to the processors."""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+from ..context import CausalContext
+
+
+def causal_block_forward(
+    block: WanTransformerBlock,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    causal_context: CausalContext,
+) -> torch.Tensor:
+    """The Wan block body with one modulation per latent frame (the math of diffusers' block, per frame).
+
+    Args:
+        hidden_states: ``(B, F*S, D)`` tokens of this call, frame-major.
+        encoder_hidden_states: ``(B, L_ctx, D)`` embedded ``[image | text]`` context.
+        temb: ``(B, F, 6, D)`` per-frame timestep projection.
+        rotary_emb: ``(cos, signed_sin)`` of this call's tokens, each ``(1, F*S, 1, head_dim)``.
+        causal_context: the forward's :class:`CausalContext`, handed to both attention processors.
+
+    Returns:
+        ``(B, F*S, D)``.
+    """
+    num_frames = temb.shape[1]
+
+    def per_frame(x: torch.Tensor) -> torch.Tensor:  # (B, F*S, D) -> (B, F, S, D)
+        return x.unflatten(1, (num_frames, -1))
+
+    # (B, F, 1, D) each
+    shift, scale, gate, c_shift, c_scale, c_gate = (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+
+    # 1. Self-attention
+    norm_hidden_states = per_frame(block.norm1(hidden_states.float())) * (1 + scale) + shift
+    norm_hidden_states = norm_hidden_states.flatten(1, 2).type_as(hidden_states)
+    attn_output = block.attn1(norm_hidden_states, None, None, rotary_emb, causal_context=causal_context)
+    hidden_states = (per_frame(hidden_states.float()) + per_frame(attn_output) * gate).flatten(1, 2)
+    hidden_states = hidden_states.type_as(attn_output)
+
+    # 2. Cross-attention
+    norm_hidden_states = block.norm2(hidden_states.float()).type_as(hidden_states)
+    attn_output = block.attn2(norm_hidden_states, encoder_hidden_states, None, None, causal_context=causal_context)
+    hidden_states = hidden_states + attn_output
+
+    # 3. Feed-forward
+    norm_hidden_states = per_frame(block.norm3(hidden_states.float())) * (1 + c_scale) + c_shift
+    ff_output = block.ffn(norm_hidden_states.flatten(1, 2).type_as(hidden_states))
+    hidden_states = (per_frame(hidden_states.float()) + per_frame(ff_output.float()) * c_gate).flatten(1, 2)
+    return hidden_states.type_as(ff_output)
+
+
+class WanCausalTransformerBlock(WanTransformerBlock):
+    """A ``WanTransformerBlock`` (same parameters) whose forward modulates per frame and passes the causal context."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor],
+        causal_context: CausalContext,
+    ) -> torch.Tensor:
+        return causal_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, causal_context)

@@ -1,0 +1,72 @@
+"""RoPE tables offset by an absolute start frame, built in float64 and kept out of reach of ``.to(dtype)`` casts."""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+
+class CausalRotaryTables:
+    """Rotary tables of a Wan transformer for calls that start at any latent frame.
+
+    The same axis split as diffusers' ``WanRotaryPosEmbed`` (``t = D - 2*h``, ``h = w = 2*(D//6)``) and the same
+    frequencies; the tables are float64 tensors held outside the module's buffers (so ``from_pretrained`` and
+    ``.to(torch.bfloat16)`` cannot round them) and moved to each device once.
+    """
+
+    def __init__(self, attention_head_dim: int, patch_size: tuple[int, int, int], max_seq_len: int, theta=10000.0):
+        self.patch_size = tuple(patch_size)
+        self.max_seq_len = max_seq_len
+        h_dim = w_dim = 2 * (attention_head_dim // 6)
+        t_dim = attention_head_dim - h_dim - w_dim
+        self.split = (t_dim, h_dim, w_dim)
+        cos_sin = [
+            get_1d_rotary_pos_embed(
+                dim, max_seq_len, theta, use_real=True, repeat_interleave_real=True, freqs_dtype=torch.float64
+            )
+            for dim in self.split
+        ]
+        self._cos = [c.to(torch.float64) for c, _ in cos_sin]  # per axis: (max_seq_len, axis_dim)
+        self._sin = [s.to(torch.float64) for _, s in cos_sin]
+        self._per_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def _tables(self, device: torch.device):
+        device = torch.device(device)
+        if device not in self._per_device:
+            dtype = torch.float32 if device.type == "mps" else torch.float64
+            self._per_device[device] = (
+                [c.to(device, dtype) for c in self._cos],
+                [s.to(device, dtype) for s in self._sin],
+            )
+        return self._per_device[device]
+
+    def check_range(self, start_frame: int, num_frames: int, height: int, width: int) -> None:
+        """Raise ``ValueError`` if positions would run past the table (never index past it silently)."""
+        if start_frame + num_frames > self.max_seq_len:
+            raise ValueError(
+                f"Latent frames [{start_frame}, {start_frame + num_frames}) run past the RoPE table of "
+                f"{self.max_seq_len} positions (`rope_max_seq_len`)."
+            )
+        if max(height, width) > self.max_seq_len:
+            raise ValueError(f"A latent grid of {height}x{width} tokens exceeds the RoPE table ({self.max_seq_len}).")
+
+    def __call__(
+        self, start_frame: int, num_frames: int, height: int, width: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed_sin)``, each ``(1, F*H*W, 1, D)`` float32, for frames ``[start_frame, start_frame + F)``.
+
+        ``height``/``width`` are post-patch token rows/columns; ``signed_sin`` is ``-sin`` on even and ``+sin`` on
+        odd channels (see :func:`fastgen_diffusers.processors.apply_rotary_emb`).
+        """
+        self.check_range(start_frame, num_frames, height, width)
+        cos, sin = self._tables(device)
+        ranges = (slice(start_frame, start_frame + num_frames), slice(0, height), slice(0, width))
+        shapes = ((num_frames, 1, 1, -1), (1, height, 1, -1), (1, 1, width, -1))
+
+        def grid(tables):
+            parts = [t[r].view(s).expand(num_frames, height, width, -1) for t, r, s in zip(tables, ranges, shapes)]
+            return torch.cat(parts, dim=-1).reshape(1, num_frames * height * width, 1, -1)
+
+        grid_cos, grid_sin = grid(cos), grid(sin)
+        sign = torch.tensor([-1.0, 1.0], dtype=grid_sin.dtype, device=grid_sin.device).repeat(grid_sin.shape[-1] // 2)
+        return grid_cos.float(), (grid_sin * sign).float()

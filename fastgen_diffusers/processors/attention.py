@@ -1,0 +1,200 @@
+"""Causal attention processors for Wan self- and cross-attention.
+
+The processors are stateless and never name a branch: each asks the :class:`CausalContext` of the forward which
+engine registered the module it runs for, and uses that engine's entry for its block and the forward's cache tag.
+The causal blocks pass the context explicitly (``causal_context=...``) because diffusers' Wan blocks forward no
+extra arguments to processors.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_wan import _get_added_kv_projections, _get_qkv_projections
+from diffusers.utils import logging
+
+from ..context import CausalContext
+from ..kv_cache import CrossKVMode
+
+logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
+
+
+def _require_context(causal_context: CausalContext | None, processor: object) -> CausalContext:
+    if causal_context is None:
+        raise RuntimeError(
+            f"{type(processor).__name__} needs a `causal_context`; it runs inside WanCausalTransformer3DModel's "
+            "causal blocks, which pass it. Use `set_default_attn_processor()` to go back to stock Wan attention."
+        )
+    return causal_context
+
+
+def rms_norm_fp32(norm: torch.nn.RMSNorm, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``norm(hidden_states)`` computed in float32 (as the students were trained), cast back to the input dtype."""
+    weight = None if norm.weight is None else norm.weight.float()
+    return F.rms_norm(hidden_states.float(), norm.normalized_shape, weight, norm.eps).type_as(hidden_states)
+
+
+def apply_rotary_emb(hidden_states: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate interleaved pairs of ``hidden_states`` ``(B, L, H, D)``.
+
+    ``rotary_emb`` is ``(cos, signed_sin)``, each ``(1, L, 1, D)`` float32, with ``signed_sin`` holding ``-sin`` at
+    even and ``+sin`` at odd channels, so that ``out = x * cos + swap_pairs(x) * signed_sin``.
+    """
+    cos, signed_sin = rotary_emb
+    x = hidden_states.float()
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (x * cos + swapped * signed_sin).type_as(hidden_states)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> torch.Tensor:
+    """Attention of ``(B, Lq, H, D)`` queries over ``(B, Lk, H, D)`` keys under a block-causal mask.
+
+    ``mask`` is a boolean ``(1, 1, Lq, Lk)`` tensor (SDPA) or a FlexAttention ``BlockMask``. The masked path never
+    goes through a backend that could drop the mask.
+    """
+    query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+    if isinstance(mask, torch.Tensor):
+        logger.debug("block-causal attention: SDPA with a boolean mask %s", tuple(mask.shape))
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    else:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = _compiled_flex_attention() if query.is_cuda else flex_attention
+        logger.debug("block-causal attention: FlexAttention BlockMask (%s)", "compiled" if query.is_cuda else "eager")
+        out = flex(query, key, value, block_mask=mask)
+    return out.transpose(1, 2)
+
+
+class WanCausalAttnProcessor:
+    """Causal self-attention: RoPE-rotated K/V of this call attend after the cached prefix of the same branch and tag.
+
+    Inside a call that spans several chunks the attention is block-causal; with ``store_kv`` the call's K/V
+    (after ``norm_k`` and RoPE) are appended to the cache.
+    """
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        causal_context: CausalContext | None = None,
+    ) -> torch.Tensor:
+        ctx = _require_context(causal_context, self)
+        engine = ctx.resolve_registered_engine(attn)
+        block_idx = engine.block_index(attn)
+
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)  # (B, L, H*D)
+        query = rms_norm_fp32(attn.norm_q, query).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
+        key = rms_norm_fp32(attn.norm_k, key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        query = apply_rotary_emb(query, rotary_emb)
+        key = apply_rotary_emb(key, rotary_emb)
+
+        full_key, full_value = engine.self_attention_kv(block_idx, ctx.cache_tag, key, value, ctx.start_frame)
+        mask = ctx.self_attention_mask(engine, query.device)
+        if mask is None:
+            hidden_states = dispatch_attention_fn(
+                query,
+                full_key,
+                full_value,
+                backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
+        else:
+            hidden_states = masked_attention(query, full_key, full_value, mask)
+        if ctx.store_kv:
+            engine.append_self_kv(block_idx, ctx.cache_tag, key.detach(), value.detach(), ctx.start_frame)
+
+        hidden_states = hidden_states.flatten(2, 3).type_as(query)
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
+
+
+class WanCausalCrossAttnProcessor:
+    """Cross-attention to the text (and, for Wan2.1 I2V, image) context with cached K/V.
+
+    The context is ``[image tokens | text tokens]``; the split comes from the real image token count carried by the
+    context (never from a hard-coded text length). In :attr:`CrossKVMode.READ` the K/V projections do not run.
+    """
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        causal_context: CausalContext | None = None,
+    ) -> torch.Tensor:
+        ctx = _require_context(causal_context, self)
+        engine = ctx.resolve_registered_engine(attn)
+        block_idx = engine.block_index(attn)
+        mode = ctx.cross_mode(engine)
+
+        query = rms_norm_fp32(attn.norm_q, attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
+        if mode is CrossKVMode.READ:
+            entry = engine.get_cross_kv(block_idx, ctx.cache_tag)
+            key, value, key_img, value_img = entry.key, entry.value, entry.key_img, entry.value_img
+        else:
+            key, value, key_img, value_img = self._project_context(attn, encoder_hidden_states, ctx)
+            if mode is CrossKVMode.FILL:
+                engine.set_cross_kv(
+                    block_idx,
+                    ctx.cache_tag,
+                    key.detach(),
+                    value.detach(),
+                    None if key_img is None else key_img.detach(),
+                    None if value_img is None else value_img.detach(),
+                )
+
+        hidden_states = dispatch_attention_fn(query, key, value, backend=self._attention_backend)
+        hidden_states = hidden_states.flatten(2, 3).type_as(query)
+        if key_img is not None:
+            hidden_states_img = dispatch_attention_fn(query, key_img, value_img, backend=self._attention_backend)
+            hidden_states = hidden_states + hidden_states_img.flatten(2, 3).type_as(query)
+
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
+
+    @staticmethod
+    def _project_context(attn, encoder_hidden_states: torch.Tensor, ctx: CausalContext):
+        """Text K/V ``(B, L_text, H, D)`` and, when image tokens lead the context, image K/V ``(B, L_img, H, D)``."""
+        image_len = ctx.image_context_length
+        text = encoder_hidden_states[:, image_len:]
+        if attn.fused_projections:
+            key, value = attn.to_kv(text).chunk(2, dim=-1)
+        else:
+            key, value = attn.to_k(text), attn.to_v(text)
+        key = rms_norm_fp32(attn.norm_k, key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if image_len == 0:
+            return key, value, None, None
+        if attn.add_k_proj is None:
+            raise ValueError(
+                f"The context has {image_len} image tokens but this model has no image K/V projections "
+                "(`added_kv_proj_dim` is None)."
+            )
+        key_img, value_img = _get_added_kv_projections(attn, encoder_hidden_states[:, :image_len])
+        key_img = rms_norm_fp32(attn.norm_added_k, key_img).unflatten(2, (attn.heads, -1))
+        value_img = value_img.unflatten(2, (attn.heads, -1))
+        return key, value, key_img, value_img
