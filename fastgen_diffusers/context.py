@@ -10,7 +10,12 @@ import torch
 from torch import nn
 
 from .kv_cache import BaseKVCacheEngine, CrossKVMode
-from .kv_cache.masks import build_flex_block_causal_mask, build_sdpa_block_causal_mask
+from .kv_cache.masks import (
+    build_flex_block_causal_mask,
+    build_flex_window_mask,
+    build_sdpa_block_causal_mask,
+    build_sdpa_window_mask,
+)
 
 MASK_BACKENDS = ("sdpa", "flex")
 
@@ -65,18 +70,39 @@ class CausalContext:
     def self_attention_mask(self, engine: BaseKVCacheEngine, device: torch.device) -> Any:
         """Block-causal mask over ``[visible prefix | this call]`` for a multi-chunk call, ``None`` otherwise.
 
-        A single-chunk call needs no mask: its queries see every visible prefix key and every key of the call.
+        A single-chunk call needs no mask: its queries see every visible prefix key and every key of the call. Under
+        a windowed engine the mask is the equivalent window-and-sink mask (keys in frame order, as the engine's
+        concatenating path lays them out).
         """
         if not self.is_multi_chunk:
             return None
-        prefix_frames = engine.visible_prefix_frames(self.cache_tag, self.start_frame, self.num_frames)
-        prefix_tokens = prefix_frames * self.frame_seqlen
-        builder = build_flex_block_causal_mask if self.mask_backend == "flex" else build_sdpa_block_causal_mask
+        first_chunk = self.chunk_layout[0]
+        if engine.window_frames is None:
+            prefix_frames = engine.visible_prefix_frames(self.cache_tag, self.start_frame, first_chunk)
+            prefix_tokens = prefix_frames * self.frame_seqlen
+            builder = build_flex_block_causal_mask if self.mask_backend == "flex" else build_sdpa_block_causal_mask
+            return engine.block_mask(
+                device,
+                self.num_frames,
+                self.frame_seqlen,
+                self.chunk_layout,
+                (self.mask_backend, prefix_frames),
+                lambda: builder(self.chunk_layout, self.frame_seqlen, prefix_tokens, device),
+            )
+        sink_end, recent_start = engine.visible_window(self.start_frame, first_chunk)
+        window, sink = engine.window_frames, engine.sink_frames
+        window_builder = build_flex_window_mask if self.mask_backend == "flex" else build_sdpa_window_mask
+        # The pattern depends on the start frame only through what the prefix holds and, near the start of the
+        # video, through which of the call's own frames are sink frames.
+        kind = (self.mask_backend, "window", window, sink, sink_end, self.start_frame - recent_start)
+        kind += (min(self.start_frame, sink),)
         return engine.block_mask(
             device,
             self.num_frames,
             self.frame_seqlen,
             self.chunk_layout,
-            (self.mask_backend, prefix_frames),
-            lambda: builder(self.chunk_layout, self.frame_seqlen, prefix_tokens, device),
+            kind,
+            lambda: window_builder(
+                self.chunk_layout, self.frame_seqlen, self.start_frame, sink_end, recent_start, window, sink, device
+            ),
         )

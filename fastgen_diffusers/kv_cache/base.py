@@ -25,6 +25,14 @@ written):
   re-running a stored chunk replaces it;
 * cross-attention K/V are filled by the first ``store_kv`` call of a tag, read by later no-grad calls with the same
   conditioning, and recomputed (never read) when gradients are enabled or the conditioning differs.
+
+Sliding window and sink (``window_frames``, ``sink_frames``; Self-Forcing's ``local_attn_size`` / ``sink_size``): a
+chunk attends to at most ``window_frames`` latent frames in total, counting its own frames and the first
+``sink_frames`` frames of the video, which are never evicted. A chunk ``[s, e)`` sees frame ``k`` iff ``k < e`` and
+(``k < sink_frames`` or ``k >= e - (window_frames - sink_frames)``). Eviction is per frame and the same in every
+engine: a call evicts the non-sink frames before its first chunk's window, a store keeps the sink and the last
+``window_frames - sink_frames`` frames. Keys are stored after RoPE, so positions stay absolute. A call that needs an
+evicted frame is an error (see :meth:`BaseKVCacheEngine.visible_window`).
 """
 
 from __future__ import annotations
@@ -75,6 +83,8 @@ class TagState:
     device: torch.device
     chunk_starts: list[int] = field(default_factory=list)  # start frame of every stored chunk, ascending
     num_frames: int = 0  # frames stored so far ("ever stored" for windowed engines)
+    evicted_before: int = 0  # windowed engines: the non-sink frames before it are no longer held
+    rope_offset: int = 0  # cached keys are rotated for temporal positions ``frame - rope_offset`` (RoPE re-basing)
     cross_source: ConditioningKey | None = None
 
     def layout(self) -> dict[str, Any]:
@@ -92,18 +102,41 @@ def expected_self_cache_bytes(
     num_layers: int, batch_size: int, num_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype
 ) -> int:
     """The cache formula: 2 (K and V) x layers x batch x heads x cached tokens x head_dim x bytes per element."""
-    return 2 * num_layers * batch_size * num_heads * num_tokens * head_dim * torch.empty((), dtype=dtype).element_size()
+    return (
+        2 * num_layers * batch_size * num_heads * num_tokens * head_dim * torch.empty((), dtype=dtype).element_size()
+    )
 
 
 class BaseKVCacheEngine:
     """Storage and rules shared by every engine; subclasses decide how self-attention K/V are laid out.
 
-    Subclasses implement :meth:`_new_self_entry`, :meth:`get_self_prefix`, :meth:`append_self_kv`,
-    :meth:`_truncate_self_entry`, :meth:`_copy_self_entry` and :meth:`_self_entry_tensors`, and may override
-    :meth:`self_attention_kv` to avoid building ``[prefix | current]`` by concatenation.
+    Subclasses implement :meth:`_new_self_entry`, :meth:`_self_prefix_pieces`, :meth:`append_self_kv`,
+    :meth:`_truncate_self_entry`, :meth:`_evict_self_entry`, :meth:`_rotate_self_entry`, :meth:`_copy_self_entry`
+    and :meth:`_self_entry_tensors`, and may override :meth:`self_attention_kv` to avoid building
+    ``[prefix | current]`` by concatenation.
+
+    Args:
+        window_frames: attend to at most this many latent frames per chunk (its own frames and the sink included);
+            ``None`` keeps and attends to every frame.
+        sink_frames: the first frames of the video, kept and attended to for ever (needs ``window_frames``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, window_frames: int | None = None, sink_frames: int = 0) -> None:
+        if window_frames is not None and (isinstance(window_frames, bool) or not isinstance(window_frames, int)):
+            raise ValueError(f"`window_frames` must be None or a positive int, got {window_frames!r}.")
+        if window_frames is not None and window_frames < 1:
+            raise ValueError(f"`window_frames` must be None or a positive int, got {window_frames}.")
+        if isinstance(sink_frames, bool) or not isinstance(sink_frames, int) or sink_frames < 0:
+            raise ValueError(f"`sink_frames` must be an int >= 0, got {sink_frames!r}.")
+        if sink_frames and window_frames is None:
+            raise ValueError(f"`sink_frames={sink_frames}` needs a sliding window: set `window_frames` as well.")
+        if window_frames is not None and sink_frames >= window_frames:
+            raise ValueError(
+                f"`sink_frames` must leave room in the window for the chunk itself: got sink_frames={sink_frames} "
+                f"with window_frames={window_frames} (expected sink_frames < window_frames)."
+            )
+        self.window_frames = window_frames
+        self.sink_frames = sink_frames
         self._self_kv: list[dict[str, Any]] = []
         self._cross_kv: list[dict[str, CrossKVEntry]] = []
         self._module_to_block: dict[int, int] = {}
@@ -172,8 +205,14 @@ class BaseKVCacheEngine:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        chunk_layout: tuple[int, ...] = (1,),
     ) -> None:
-        """Raise ``ValueError`` if a call cannot be served by what ``cache_tag`` holds. Writes nothing."""
+        """Raise ``ValueError`` if a call cannot be served by what ``cache_tag`` holds. Writes nothing.
+
+        ``chunk_layout`` is the call's split into chunks (frame counts); windowed engines check that each chunk fits
+        the window and that the frames its first chunk attends to are still held.
+        """
+        self._check_window_layout(start_frame, chunk_layout)
         state = self._tags.get(cache_tag)
         stored = 0 if state is None else state.num_frames
         if start_frame < 0:
@@ -190,7 +229,7 @@ class BaseKVCacheEngine:
                 f"`start_frame={start_frame}` is inside a stored chunk of cache_tag {cache_tag!r}; calls must start "
                 f"at a chunk boundary the cache can serve: one of {sorted(set(state.chunk_starts + [stored]))}."
             )
-        self._check_evicted(state, cache_tag, start_frame)
+        self._check_evicted(state, cache_tag, start_frame, chunk_layout[0])
         given = {
             "batch_size": batch_size,
             "frame_seqlen": frame_seqlen,
@@ -207,8 +246,92 @@ class BaseKVCacheEngine:
                     f"{name}={given[name]}{hint}. Call `clear_caches()` (or use another cache_tag) before changing it."
                 )
 
-    def _check_evicted(self, state: TagState, cache_tag: str, start_frame: int) -> None:
-        """Windowed engines raise when ``start_frame`` needs frames they no longer keep."""
+    def _check_window_layout(self, start_frame: int, chunk_layout: tuple[int, ...]) -> None:
+        """Every chunk must see all of its own frames: its non-sink frames must fit ``window - sink``."""
+        if self.window_frames is None:
+            return
+        room = self.window_frames - self.sink_frames
+        chunk_start = start_frame
+        for frames in chunk_layout:
+            chunk_end = chunk_start + frames
+            if chunk_end - max(chunk_start, self.sink_frames) > room:
+                raise ValueError(
+                    f"The chunk of latent frames [{chunk_start}, {chunk_end}) does not fit the attention window: "
+                    f"window_frames={self.window_frames} with sink_frames={self.sink_frames} leaves {room} frames for "
+                    f"a chunk's own non-sink frames, this chunk has {chunk_end - max(chunk_start, self.sink_frames)}. "
+                    "Use a larger `window_frames` (or smaller chunks)."
+                )
+            chunk_start = chunk_end
+
+    def _check_evicted(self, state: TagState, cache_tag: str, start_frame: int, first_chunk_frames: int) -> None:
+        """Raise when the first chunk of a call at ``start_frame`` attends to frames the window has evicted."""
+        _, recent_start = self.visible_window(start_frame, first_chunk_frames)
+        if recent_start < start_frame and recent_start < state.evicted_before:
+            raise ValueError(
+                f"A call at start_frame={start_frame} whose first chunk has {first_chunk_frames} frames attends to "
+                f"cached frames [{recent_start}, {start_frame}) of cache_tag {cache_tag!r}, but this engine "
+                f"(window_frames={self.window_frames}, sink_frames={self.sink_frames}) no longer holds the frames "
+                f"before {state.evicted_before}. Re-run the rollout from an earlier stored frame."
+            )
+
+    def visible_window(self, start_frame: int, first_chunk_frames: int) -> tuple[int, int]:
+        """``(sink_end, recent_start)``: the cached frames a call's first chunk attends to are
+        ``[0, sink_end)`` and ``[recent_start, start_frame)``.
+
+        Without a window that is every frame ``< start_frame`` (``(0, 0)``). With one, the first chunk of
+        ``first_chunk_frames`` frames ending at ``e = start_frame + first_chunk_frames`` sees the sink and the frames
+        ``>= e - (window_frames - sink_frames)``. Later chunks of a multi-chunk call see a subset of that prefix.
+        """
+        if self.window_frames is None:
+            return 0, 0
+        sink_end = min(self.sink_frames, start_frame)
+        recent_start = start_frame + first_chunk_frames - (self.window_frames - self.sink_frames)
+        return sink_end, min(max(sink_end, recent_start), start_frame)
+
+    def held_frames(self, cache_tag: str) -> int:
+        """Frames of ``cache_tag`` whose K/V the engine holds (the sink and the frames not evicted)."""
+        state = self._tags.get(cache_tag)
+        if state is None:
+            return 0
+        sink_held = min(self.sink_frames, state.num_frames)
+        return sink_held + max(0, state.num_frames - max(self.sink_frames, state.evicted_before))
+
+    def begin_call(self, cache_tag: str, start_frame: int, first_chunk_frames: int) -> None:
+        """Evict (windowed engines) the non-sink frames before the window of a call about to run.
+
+        Called once per forward, after :meth:`ensure_capacity` and before the blocks run, so that every block of the
+        branch evicts the same frames.
+        """
+        state = self._tags.get(cache_tag)
+        if self.window_frames is None or state is None:
+            return
+        _, recent_start = self.visible_window(start_frame, first_chunk_frames)
+        if recent_start <= max(self.sink_frames, state.evicted_before):
+            return
+        state.evicted_before = recent_start
+        for block_idx in range(self.num_blocks):
+            self._evict_self_entry(self._self_kv[block_idx][cache_tag], state, recent_start)
+
+    def _store_window(self, state: TagState, start_frame: int, end_frame: int) -> list[tuple[int, int]]:
+        """Frame ranges of a store of ``[start_frame, end_frame)`` that the engine keeps; records what it evicts.
+
+        Idempotent, so that every block's :meth:`append_self_kv` may call it.
+        """
+        if self.window_frames is None:
+            return [(start_frame, end_frame)]
+        recent_start = max(self.sink_frames, end_frame - (self.window_frames - self.sink_frames))
+        # frames >= start_frame are replaced by this store; the window then evicts what precedes recent_start
+        state.evicted_before = max(min(state.evicted_before, start_frame), recent_start)
+        ranges = []
+        if start_frame < self.sink_frames:
+            ranges.append((start_frame, min(end_frame, self.sink_frames)))
+        first_recent = max(start_frame, recent_start)
+        if first_recent < end_frame:
+            if ranges and ranges[-1][1] == first_recent:
+                ranges[-1] = (ranges[-1][0], end_frame)
+            else:
+                ranges.append((first_recent, end_frame))
+        return ranges
 
     def ensure_capacity(
         self,
@@ -266,20 +389,40 @@ class BaseKVCacheEngine:
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> Any:
         raise NotImplementedError
 
-    def get_self_prefix(self, block_idx: int, cache_tag: str, start_frame: int):
-        """Cached ``(key, value)``, each ``(B, prefix_tokens, H, D)``, visible to a call at ``start_frame``.
+    def _self_prefix_pieces(
+        self, block_idx: int, cache_tag: str, start_frame: int, first_chunk_frames: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views of the visible cached K and V, each ``(B, tokens, H, D)``, in frame order (see :meth:`visible_window`)."""
+        raise NotImplementedError
+
+    def get_self_prefix(self, block_idx: int, cache_tag: str, start_frame: int, first_chunk_frames: int = 1):
+        """Cached ``(key, value)``, each ``(B, prefix_tokens, H, D)`` in frame order, visible to a call at
+        ``start_frame`` whose first chunk has ``first_chunk_frames`` frames (the window shrinks as it grows).
 
         ``None`` when nothing is visible.
         """
-        raise NotImplementedError
+        keys, values = self._self_prefix_pieces(block_idx, cache_tag, start_frame, first_chunk_frames)
+        if not keys:
+            return None
+        if len(keys) == 1:
+            return keys[0], values[0]
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
     def append_self_kv(
         self, block_idx: int, cache_tag: str, key: torch.Tensor, value: torch.Tensor, start_frame: int
     ) -> None:
-        """Store ``key``/``value`` ``(B, F*S, H, D)`` as frames ``[start_frame, start_frame + F)``; drop later frames."""
+        """Store ``key``/``value`` ``(B, F*S, H, D)`` as frames ``[start_frame, start_frame + F)``; drop later ones."""
         raise NotImplementedError
 
     def _truncate_self_entry(self, entry: Any, state: TagState, end_frame: int) -> None:
+        raise NotImplementedError
+
+    def _evict_self_entry(self, entry: Any, state: TagState, before: int) -> None:
+        """Drop the non-sink frames ``< before`` (windowed engines)."""
+        raise NotImplementedError
+
+    def _rotate_self_entry(self, entry: Any, state: TagState, rotate: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every cached key ``k`` ``(B, tokens, H, D)`` by ``rotate(k)`` (RoPE re-basing)."""
         raise NotImplementedError
 
     def _copy_self_entry(self, entry: Any) -> Any:
@@ -288,22 +431,35 @@ class BaseKVCacheEngine:
     def _self_entry_tensors(self, entry: Any) -> list[torch.Tensor]:
         raise NotImplementedError
 
-    def visible_prefix_frames(self, cache_tag: str, start_frame: int, num_frames: int) -> int:
-        """How many cached frames a call of ``num_frames`` frames at ``start_frame`` attends to."""
-        return start_frame
+    def visible_prefix_frames(self, cache_tag: str, start_frame: int, first_chunk_frames: int) -> int:
+        """How many cached frames a call at ``start_frame`` whose first chunk has ``first_chunk_frames`` frames
+        attends to (every frame before it, or the window and sink)."""
+        sink_end, recent_start = self.visible_window(start_frame, first_chunk_frames)
+        return sink_end + start_frame - recent_start
 
     def self_attention_kv(
-        self, block_idx: int, cache_tag: str, key: torch.Tensor, value: torch.Tensor, start_frame: int
+        self,
+        block_idx: int,
+        cache_tag: str,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        start_frame: int,
+        first_chunk_frames: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``(B, prefix + L, H, D)`` to attend to: ``[visible cached prefix | this call]``."""
-        prefix = self.get_self_prefix(block_idx, cache_tag, start_frame)
-        if prefix is None:
+        """Keys and values ``(B, prefix + L, H, D)`` to attend to: ``[visible cached prefix | this call]``.
+
+        ``key``/``value`` are this call's ``(B, L, H, D)``; ``first_chunk_frames`` is the frame count of the call's
+        first chunk (``None``: the call is one chunk). The prefix is in frame order, as the block masks expect.
+        """
+        if first_chunk_frames is None:
+            first_chunk_frames = key.shape[1] // self._tags[cache_tag].frame_seqlen
+        keys, values = self._self_prefix_pieces(block_idx, cache_tag, start_frame, first_chunk_frames)
+        if not keys:
             return key, value
-        prefix_key, prefix_value = prefix
-        return torch.cat([prefix_key, key], dim=1), torch.cat([prefix_value, value], dim=1)
+        return torch.cat([*keys, key], dim=1), torch.cat([*values, value], dim=1)
 
     def commit_store(self, cache_tag: str, start_frame: int, num_frames: int) -> None:
-        """Record, once every block has appended, that frames ``[start_frame, start_frame + num_frames)`` are stored."""
+        """Record, once every block has appended, that frames ``[start_frame, start_frame + num_frames)`` exist."""
         state = self._tags[cache_tag]
         state.chunk_starts = [s for s in state.chunk_starts if s < start_frame] + [start_frame]
         state.num_frames = start_frame + num_frames
@@ -324,6 +480,7 @@ class BaseKVCacheEngine:
             self._truncate_self_entry(self._self_kv[block_idx][cache_tag], state, end_frame)
         state.chunk_starts = [s for s in state.chunk_starts if s < end_frame]
         state.num_frames = end_frame
+        state.evicted_before = min(state.evicted_before, end_frame)
 
     def abort_store(self, cache_tag: str, start_frame: int, *, cross_filled: bool) -> None:
         """Undo a ``store_kv`` forward that failed midway: drop frames ``>= start_frame`` from every block (some
@@ -335,6 +492,7 @@ class BaseKVCacheEngine:
             self._truncate_self_entry(self._self_kv[block_idx][cache_tag], state, start_frame)
         state.chunk_starts = [s for s in state.chunk_starts if s < start_frame]
         state.num_frames = min(state.num_frames, start_frame)
+        state.evicted_before = min(state.evicted_before, state.num_frames)
         if cross_filled:
             self.invalidate_cross(cache_tag)
 
@@ -354,6 +512,27 @@ class BaseKVCacheEngine:
         for block_idx in range(self.num_blocks):
             self._self_kv[block_idx][target_tag] = self._copy_self_entry(self._self_kv[block_idx][source_tag])
             self._cross_kv[block_idx][target_tag] = copy.copy(self._cross_kv[block_idx][source_tag])
+
+    # ------------------------------------------------------------------ RoPE re-basing
+    def rope_offset(self, cache_tag: str) -> int:
+        """Temporal RoPE positions of ``cache_tag`` are ``frame - rope_offset`` (0 until re-based)."""
+        state = self._tags.get(cache_tag)
+        return 0 if state is None else state.rope_offset
+
+    def rebase_positions(
+        self, cache_tag: str, rope_offset: int, rotate: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Record the new ``rope_offset`` of ``cache_tag`` and re-rotate every cached key with ``rotate``.
+
+        ``rotate`` maps ``(B, tokens, H, D)`` keys rotated for positions ``frame - old_offset`` to keys rotated for
+        ``frame - rope_offset`` (a rotation by the difference on the temporal channels: RoPE rotations compose).
+        """
+        state = self._tags.get(cache_tag)
+        if state is None:
+            raise ValueError(f"cache_tag {cache_tag!r} holds nothing to re-base; stored tags: {sorted(self._tags)}.")
+        for block_idx in range(self.num_blocks):
+            self._rotate_self_entry(self._self_kv[block_idx][cache_tag], state, rotate)
+        state.rope_offset = rope_offset
 
     # ------------------------------------------------------------------ cross-attention entries
     def cross_mode(
@@ -377,7 +556,9 @@ class BaseKVCacheEngine:
     def get_cross_kv(self, block_idx: int, cache_tag: str) -> CrossKVEntry:
         entry = self._cross_kv[block_idx][cache_tag]
         if not entry.is_init:
-            raise RuntimeError(f"Cross K/V of block {block_idx}, cache_tag {cache_tag!r} were read before being filled.")
+            raise RuntimeError(
+                f"Cross K/V of block {block_idx}, cache_tag {cache_tag!r} were read before being filled."
+            )
         return entry
 
     def set_cross_kv(
@@ -430,7 +611,12 @@ class BaseKVCacheEngine:
 
     # ------------------------------------------------------------------ memory and lifetime
     def self_cache_bytes(self, cache_tag: str | None = None) -> int:
-        """Bytes held by self-attention K/V (all tags when ``cache_tag`` is ``None``)."""
+        """Bytes of the self-attention K/V held (all tags when ``cache_tag`` is ``None``): the cache formula
+        (:func:`expected_self_cache_bytes`) over the :meth:`held_frames` tokens."""
+        return self.allocated_self_cache_bytes(cache_tag)
+
+    def allocated_self_cache_bytes(self, cache_tag: str | None = None) -> int:
+        """Bytes of the self-attention tensors the engine has allocated (preallocating engines: their capacity)."""
         return sum(
             t.numel() * t.element_size()
             for per_tag in self._self_kv

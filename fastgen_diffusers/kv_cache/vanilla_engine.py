@@ -1,12 +1,14 @@
-"""The baseline engine: each self entry is a list of chunk K/V tensors plus the cached token count.
+"""The baseline engine: each self entry is a list of K/V tensors, one per stored run of contiguous frames.
 
-Appending a chunk stores its tensors as they are (no copy); attention reads ``[cached chunks | current chunk]`` with
-one concatenation per call. Simple and exact; :class:`~fastgen_diffusers.kv_cache.StaticKVCacheEngine` removes the
-per-call concatenation.
+Appending a chunk stores its tensors as they are (no copy); attention reads ``[cached runs | current chunk]`` with
+one concatenation per call. With a sliding window, evicted frames are dropped (a run that loses part of its frames
+is replaced by a copy of what is kept), so memory stays flat. Simple and exact;
+:class:`~fastgen_diffusers.kv_cache.StaticKVCacheEngine` removes the per-call concatenation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,55 +18,101 @@ from .base import BaseKVCacheEngine, TagState
 
 @dataclass
 class VanillaSelfEntry:
-    """Self-attention K/V of one block and tag: one ``(B, frames*S, H, D)`` tensor per stored chunk."""
+    """Self-attention K/V of one block and tag: ``keys[i]``/``values[i]`` ``(B, frames*S, H, D)`` hold the contiguous
+    frames that start at ``starts[i]`` (ascending)."""
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
-    chunk_starts: list[int] = field(default_factory=list)
-    len: int = 0  # cached tokens
+    starts: list[int] = field(default_factory=list)
 
-    def num_chunks_before(self, start_frame: int) -> int:
-        return sum(1 for s in self.chunk_starts if s < start_frame)
+    def runs(self, frame_seqlen: int):
+        """``(start, end, key, value)`` of every stored run of frames."""
+        for start, key, value in zip(self.starts, self.keys, self.values):
+            yield start, start + key.shape[1] // frame_seqlen, key, value
+
+    def replace(self, runs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        self.starts = [start for start, _, _ in runs]
+        self.keys = [key for _, key, _ in runs]
+        self.values = [value for _, _, value in runs]
 
 
 class VanillaKVCacheEngine(BaseKVCacheEngine):
-    """List-of-chunks self cache and dense cross cache (exported as ``KVCacheEngine``)."""
+    """List-of-runs self cache and dense cross cache (exported as ``KVCacheEngine``).
+
+    Args:
+        window_frames: sliding attention window in latent frames (see :class:`BaseKVCacheEngine`); ``None`` keeps
+            every frame.
+        sink_frames: first frames kept for ever inside the window.
+    """
 
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> VanillaSelfEntry:
         return VanillaSelfEntry()
 
-    def get_self_prefix(self, block_idx: int, cache_tag: str, start_frame: int):
+    def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames):
         entry: VanillaSelfEntry = self._self_kv[block_idx][cache_tag]
-        count = entry.num_chunks_before(start_frame)
-        if count == 0:
-            return None
-        if count == 1:
-            return entry.keys[0], entry.values[0]
-        return torch.cat(entry.keys[:count], dim=1), torch.cat(entry.values[:count], dim=1)
-
-    def self_attention_kv(self, block_idx, cache_tag, key, value, start_frame):
-        entry: VanillaSelfEntry = self._self_kv[block_idx][cache_tag]
-        count = entry.num_chunks_before(start_frame)
-        if count == 0:
-            return key, value
-        return torch.cat([*entry.keys[:count], key], dim=1), torch.cat([*entry.values[:count], value], dim=1)
+        seqlen = self._tags[cache_tag].frame_seqlen
+        sink_end, recent_start = self.visible_window(start_frame, first_chunk_frames)
+        keys, values = [], []
+        for run_start, run_end, key, value in entry.runs(seqlen):
+            for low, high in ((0, sink_end), (recent_start, start_frame)):
+                first, last = max(low, run_start), min(high, run_end)
+                if first >= last:
+                    continue
+                if (first, last) == (run_start, run_end):
+                    keys.append(key)
+                    values.append(value)
+                else:
+                    tokens = slice((first - run_start) * seqlen, (last - run_start) * seqlen)
+                    keys.append(key[:, tokens])
+                    values.append(value[:, tokens])
+        return keys, values
 
     def append_self_kv(self, block_idx, cache_tag, key, value, start_frame):
         entry: VanillaSelfEntry = self._self_kv[block_idx][cache_tag]
-        self._truncate_self_entry(entry, self._tags[cache_tag], start_frame)
-        entry.keys.append(key.detach())
-        entry.values.append(value.detach())
-        entry.chunk_starts.append(start_frame)
-        entry.len += key.shape[1]
+        state = self._tags[cache_tag]
+        end_frame = start_frame + key.shape[1] // state.frame_seqlen
+        self._truncate_self_entry(entry, state, start_frame)
+        kept = self._store_window(state, start_frame, end_frame)
+        self._evict_self_entry(entry, state, state.evicted_before)
+        for first, last in kept:
+            if (first, last) == (start_frame, end_frame):
+                run_key, run_value = key.detach(), value.detach()
+            else:
+                tokens = slice((first - start_frame) * state.frame_seqlen, (last - start_frame) * state.frame_seqlen)
+                run_key, run_value = key[:, tokens].detach().clone(), value[:, tokens].detach().clone()
+            entry.keys.append(run_key)
+            entry.values.append(run_value)
+            entry.starts.append(first)
 
     def _truncate_self_entry(self, entry: VanillaSelfEntry, state: TagState, end_frame: int) -> None:
-        count = entry.num_chunks_before(end_frame)
-        del entry.keys[count:], entry.values[count:], entry.chunk_starts[count:]
-        entry.len = sum(k.shape[1] for k in entry.keys)
+        # Runs never straddle a stored chunk boundary, and truncation points are chunk boundaries.
+        count = sum(1 for s in entry.starts if s < end_frame)
+        del entry.keys[count:], entry.values[count:], entry.starts[count:]
+
+    def _evict_self_entry(self, entry: VanillaSelfEntry, state: TagState, before: int) -> None:
+        if before <= self.sink_frames:
+            return
+        seqlen = state.frame_seqlen
+        runs = []
+        for run_start, run_end, key, value in entry.runs(seqlen):
+            if run_end <= self.sink_frames or run_start >= before:
+                runs.append((run_start, key, value))
+                continue
+            # keep the sink part and the part from `before` on, as copies (a view would pin the evicted frames)
+            for first, last in ((run_start, min(run_end, self.sink_frames)), (max(run_start, before), run_end)):
+                if first < last:
+                    tokens = slice((first - run_start) * seqlen, (last - run_start) * seqlen)
+                    runs.append((first, key[:, tokens].clone(), value[:, tokens].clone()))
+        entry.replace(runs)
+
+    def _rotate_self_entry(
+        self, entry: VanillaSelfEntry, state: TagState, rotate: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        entry.keys = [rotate(key) for key in entry.keys]
 
     def _copy_self_entry(self, entry: VanillaSelfEntry) -> VanillaSelfEntry:
-        # Stored chunk tensors are never written in place, so a fork can share them.
-        return VanillaSelfEntry(list(entry.keys), list(entry.values), list(entry.chunk_starts), entry.len)
+        # Stored run tensors are never written in place, so a fork can share them.
+        return VanillaSelfEntry(list(entry.keys), list(entry.values), list(entry.starts))
 
     def _self_entry_tensors(self, entry: VanillaSelfEntry) -> list[torch.Tensor]:
         return [*entry.keys, *entry.values]

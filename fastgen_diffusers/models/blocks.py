@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import torch
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+from diffusers.models.transformers.transformer_wan_vace import WanVACETransformerBlock
 
 from ..context import CausalContext
 
 
 def causal_block_forward(
-    block: WanTransformerBlock,
+    block: WanTransformerBlock | WanVACETransformerBlock,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
-    rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    rotary_emb: torch.Tensor,
     causal_context: CausalContext,
 ) -> torch.Tensor:
     """The Wan block body with one modulation per latent frame (the math of diffusers' block, per frame).
@@ -22,7 +23,7 @@ def causal_block_forward(
         hidden_states: ``(B, F*S, D)`` tokens of this call, frame-major.
         encoder_hidden_states: ``(B, L_ctx, D)`` embedded ``[image | text]`` context.
         temb: ``(B, F, 6, D)`` per-frame timestep projection.
-        rotary_emb: ``(cos, signed_sin)`` of this call's tokens, each ``(1, F*S, 1, head_dim)``.
+        rotary_emb: ``(1, F*S, 1, head_dim/2)`` complex rotations of this call's tokens.
         causal_context: the forward's :class:`CausalContext`, handed to both attention processors.
 
     Returns:
@@ -34,7 +35,9 @@ def causal_block_forward(
         return x.unflatten(1, (num_frames, -1))
 
     # (B, F, 1, D) each
-    shift, scale, gate, c_shift, c_scale, c_gate = (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+    shift, scale, gate, c_shift, c_scale, c_gate = (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(
+        6, dim=2
+    )
 
     # 1. Self-attention
     norm_hidden_states = per_frame(block.norm1(hidden_states.float())) * (1 + scale) + shift
@@ -63,7 +66,40 @@ class WanCausalTransformerBlock(WanTransformerBlock):
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
         temb: torch.Tensor,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor],
+        rotary_emb: torch.Tensor,
         causal_context: CausalContext,
     ) -> torch.Tensor:
         return causal_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, causal_context)
+
+
+class WanCausalVACETransformerBlock(WanVACETransformerBlock):
+    """A ``WanVACETransformerBlock`` (same parameters) running the causal Wan block body on the control stream."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        control_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        rotary_emb: torch.Tensor,
+        causal_context: CausalContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One VACE layer: ``control = proj_in(control) + hidden_states`` (first layer only), then the block body.
+
+        Args:
+            hidden_states: ``(B, F*S, D)`` patch-embedded main tokens (read by the first layer only).
+            encoder_hidden_states: ``(B, L_ctx, D)`` embedded context.
+            control_hidden_states: ``(B, F*S, D)`` control stream.
+            temb: ``(B, F, 6, D)`` per-frame timestep projection.
+            rotary_emb: ``(1, F*S, 1, head_dim/2)`` complex rotations.
+            causal_context: the forward's :class:`CausalContext`.
+
+        Returns:
+            ``(hint, control)``: ``proj_out(control)`` and the control stream for the next layer, both ``(B, F*S, D)``.
+        """
+        if self.proj_in is not None:
+            control_hidden_states = self.proj_in(control_hidden_states) + hidden_states
+        control_hidden_states = causal_block_forward(
+            self, control_hidden_states, encoder_hidden_states, temb, rotary_emb, causal_context
+        )
+        return self.proj_out(control_hidden_states), control_hidden_states

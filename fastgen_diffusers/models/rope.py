@@ -12,11 +12,16 @@ class CausalRotaryTables:
     The same axis split as diffusers' ``WanRotaryPosEmbed`` (``t = D - 2*h``, ``h = w = 2*(D//6)``) and the same
     frequencies; the tables are float64 tensors held outside the module's buffers (so ``from_pretrained`` and
     ``.to(torch.bfloat16)`` cannot round them) and moved to each device once.
+
+    Temporal positions index the table directly; a call that would run past it raises (never a silent index past
+    the end). RoPE re-basing (``enable_rope_rebasing()`` on the causal models) keeps a stream going by shifting
+    positions back and re-rotating the cached keys with :meth:`temporal_shift`.
     """
 
     def __init__(self, attention_head_dim: int, patch_size: tuple[int, int, int], max_seq_len: int, theta=10000.0):
         self.patch_size = tuple(patch_size)
         self.max_seq_len = max_seq_len
+        self.theta = theta
         h_dim = w_dim = 2 * (attention_head_dim // 6)
         t_dim = attention_head_dim - h_dim - w_dim
         self.split = (t_dim, h_dim, w_dim)
@@ -40,33 +45,52 @@ class CausalRotaryTables:
             )
         return self._per_device[device]
 
-    def check_range(self, start_frame: int, num_frames: int, height: int, width: int) -> None:
-        """Raise ``ValueError`` if positions would run past the table (never index past it silently)."""
-        if start_frame + num_frames > self.max_seq_len:
+    def check_range(self, start_position: int, num_frames: int, height: int, width: int) -> None:
+        """Raise ``ValueError`` if temporal positions ``[start_position, start_position + num_frames)`` or the
+        ``height x width`` grid fall outside the table (never index past it silently)."""
+        if start_position < 0 or start_position + num_frames > self.max_seq_len:
             raise ValueError(
-                f"Latent frames [{start_frame}, {start_frame + num_frames}) run past the RoPE table of "
-                f"{self.max_seq_len} positions (`rope_max_seq_len`)."
+                f"Temporal RoPE positions [{start_position}, {start_position + num_frames}) fall outside the RoPE "
+                f"table of {self.max_seq_len} positions (`rope_max_seq_len`); positions are latent frames, minus the "
+                "offset of any earlier re-basing. Call `transformer.enable_rope_rebasing()` to shift the cached "
+                "positions back and keep generating (see its docstring for the trade-off), or keep videos within "
+                f"{self.max_seq_len} latent frames."
             )
         if max(height, width) > self.max_seq_len:
             raise ValueError(f"A latent grid of {height}x{width} tokens exceeds the RoPE table ({self.max_seq_len}).")
 
+    def temporal_shift(self, shift: int, device: torch.device) -> torch.Tensor:
+        """Rotation ``(1, 1, 1, D/2)`` complex64 by ``shift`` temporal positions (see :meth:`__call__`).
+
+        Applied (``apply_rotary_emb``) to keys rotated for temporal position ``p``, it gives the keys rotated for
+        ``p + shift``: RoPE rotations compose. The height and width channel pairs are left as they are.
+        """
+        t_dim, h_dim, w_dim = self.split
+        position = torch.tensor([float(shift)], dtype=torch.float64)
+        cos, sin = get_1d_rotary_pos_embed(
+            t_dim, position, self.theta, use_real=True, repeat_interleave_real=True, freqs_dtype=torch.float64
+        )
+        identity = torch.ones((h_dim + w_dim) // 2, dtype=torch.complex64)
+        rotation = torch.cat([torch.complex(cos[0, ::2], sin[0, ::2]).to(torch.complex64), identity])
+        return rotation.view(1, 1, 1, -1).to(device)
+
     def __call__(
         self, start_frame: int, num_frames: int, height: int, width: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, signed_sin)``, each ``(1, F*H*W, 1, D)`` float32, for frames ``[start_frame, start_frame + F)``.
+    ) -> torch.Tensor:
+        """Rotations ``(1, F*H*W, 1, D/2)`` complex64 for frames ``[start_frame, start_frame + F)``.
 
-        ``height``/``width`` are post-patch token rows/columns; ``signed_sin`` is ``-sin`` on even and ``+sin`` on
-        odd channels (see :func:`fastgen_diffusers.processors.apply_rotary_emb`).
+        ``height``/``width`` are post-patch token rows/columns. Channel pair ``(2i, 2i+1)`` of a head is rotated by
+        element ``i`` (see :func:`fastgen_diffusers.processors.apply_rotary_emb`).
         """
         self.check_range(start_frame, num_frames, height, width)
         cos, sin = self._tables(device)
         ranges = (slice(start_frame, start_frame + num_frames), slice(0, height), slice(0, width))
         shapes = ((num_frames, 1, 1, -1), (1, height, 1, -1), (1, 1, width, -1))
 
-        def grid(tables):
-            parts = [t[r].view(s).expand(num_frames, height, width, -1) for t, r, s in zip(tables, ranges, shapes)]
+        def grid(tables):  # the tables repeat each frequency twice (interleaved pairs): keep one of each pair
+            parts = [
+                t[r, ::2].view(s).expand(num_frames, height, width, -1) for t, r, s in zip(tables, ranges, shapes)
+            ]
             return torch.cat(parts, dim=-1).reshape(1, num_frames * height * width, 1, -1)
 
-        grid_cos, grid_sin = grid(cos), grid(sin)
-        sign = torch.tensor([-1.0, 1.0], dtype=grid_sin.dtype, device=grid_sin.device).repeat(grid_sin.shape[-1] // 2)
-        return grid_cos.float(), (grid_sin * sign).float()
+        return torch.complex(grid(cos), grid(sin)).to(torch.complex64)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch import nn
 from ..chunking import chunk_layout
 from ..context import CausalContext
 from ..kv_cache import BaseKVCacheEngine, CrossKVMode, KVCacheEngine
-from ..processors import WanCausalAttnProcessor, WanCausalCrossAttnProcessor
+from ..processors import WanCausalAttnProcessor, WanCausalCrossAttnProcessor, apply_rotary_emb
 from .blocks import WanCausalTransformerBlock
 from .rope import CausalRotaryTables
 
@@ -41,7 +42,364 @@ def timestep_sinusoid_fp64(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
     return embedding
 
 
-class WanCausalTransformer3DModel(WanTransformer3DModel):
+class CausalWanMixin:
+    """The causal machinery shared by the causal Wan models (T2V/I2V and VACE); adds no parameters.
+
+    A model class lists this mixin before its diffusers base, calls :meth:`_init_causal` at the end of ``__init__``
+    and implements ``kv_cache_branches()`` (the blocks each engine branch owns) and ``_forward_blocks`` (the block
+    loop of one call); :meth:`_causal_forward` does the rest of a forward: validation, per-frame timestep embedding,
+    RoPE at ``start_frame``, the :class:`CausalContext`, committing or undoing the cache writes and the output head.
+    """
+
+    def _init_causal(
+        self, chunk_size: int, patch_size: tuple[int, ...], attention_head_dim: int, rope_max_seq_len: int
+    ) -> None:
+        """Validate the causal config, re-class ``self.blocks``, install the processors and attach fresh engines."""
+        if chunk_size < 1:
+            raise ValueError(f"`chunk_size` must be a positive number of latent frames, got {chunk_size}.")
+        if patch_size[0] != 1:
+            raise ValueError(
+                f"Causal chunking works on latent frames and needs a temporal patch of 1, got {patch_size}."
+            )
+        # The blocks gain a per-frame forward; the causal block classes add no state, so the instances built by the
+        # parent are re-classed in place (no second allocation of the weights).
+        for block in self.blocks:
+            block.__class__ = WanCausalTransformerBlock
+        self.rotary_tables = CausalRotaryTables(attention_head_dim, patch_size, rope_max_seq_len)
+        self.block_mask_backend = "auto"
+        self.rope_rebasing = False
+        self._install_causal_processors()
+        self.kv_cache_engines: dict[str, BaseKVCacheEngine] = {}
+        self.set_kv_cache_engines({name: KVCacheEngine() for name in self.kv_cache_branches()})
+
+    # ------------------------------------------------------------------ engines and processors
+    def set_kv_cache_engines(self, engines: Mapping[str, BaseKVCacheEngine]) -> None:
+        """Attach engines by branch name and register the attention modules each one owns (caches start empty)."""
+        branches = self.kv_cache_branches()
+        unknown = sorted(set(engines) - set(branches))
+        missing = sorted(set(branches) - set(engines))
+        if unknown or missing:
+            raise ValueError(
+                f"`engines` must name exactly the branches {sorted(branches)}; unknown: {unknown}, missing: {missing}."
+            )
+        for name, engine in engines.items():
+            if not isinstance(engine, BaseKVCacheEngine):
+                raise ValueError(f"Engine {name!r} must be a BaseKVCacheEngine, got {type(engine).__name__}.")
+            engine.register_blocks(branches[name])
+        self.kv_cache_engines = dict(engines)
+
+    def clear_caches(self) -> None:
+        """Empty every engine (self and cross entries, memoized masks): the cache state of a new model."""
+        for engine in self.kv_cache_engines.values():
+            engine.clear()
+
+    def kv_cache_bytes(self, cache_tag: str | None = None) -> int:
+        """Bytes of self-attention K/V held by all engines (the cache formula's quantity)."""
+        return sum(engine.self_cache_bytes(cache_tag) for engine in self.kv_cache_engines.values())
+
+    def _install_causal_processors(self) -> None:
+        for module in self.modules():
+            if isinstance(module, WanAttention):
+                causal = WanCausalCrossAttnProcessor() if module.is_cross_attention else WanCausalAttnProcessor()
+                module.set_processor(causal)
+
+    def set_default_attn_processor(self) -> None:
+        """The default processors of a causal model are the causal ones."""
+        self._install_causal_processors()
+
+    def set_block_mask_backend(self, backend: str) -> None:
+        """Backend of the block-causal mask of multi-chunk calls: ``"auto"`` (FlexAttention on CUDA, SDPA elsewhere),
+        ``"sdpa"`` (exact boolean mask) or ``"flex"`` (FlexAttention ``BlockMask``; eager on CPU)."""
+        if backend not in MASK_BACKEND_CHOICES:
+            raise ValueError(f"`backend` must be one of {MASK_BACKEND_CHOICES}, got {backend!r}.")
+        self.block_mask_backend = backend
+
+    def enable_rope_rebasing(self, enabled: bool = True) -> None:
+        """Let a rollout run past the RoPE table (``rope_max_seq_len`` latent frames, 1024 for Wan) by re-basing.
+
+        Off by default: a call whose temporal positions would leave the table raises before anything runs. On, such a
+        call first shifts the positions of its cache tag back so that it starts at position 0: every cached key is
+        re-rotated by the shift on its temporal channels (RoPE rotations compose, as in llama.cpp's context shift)
+        and later calls use ``frame - offset`` as their position. Every relative position stays what it was, so the
+        numbers are those of an unbounded table up to the rounding of the re-rotated keys in the cache dtype (once
+        per re-basing, so about once every ``rope_max_seq_len`` frames).
+
+        The trade-off is the model's, not the arithmetic's: past ``rope_max_seq_len`` frames the relative temporal
+        distances (between the current chunk and the sink frames, or every cached frame without a window) are larger
+        than any the model was trained on, and quality may degrade with them. Use it with a sliding window
+        (``window_frames``), which keeps the other distances within the window.
+        """
+        self.rope_rebasing = bool(enabled)
+
+    def _rope_offset_for(self, cache_tag: str, start_frame: int, num_frames: int, height: int, width: int) -> int:
+        """The RoPE offset of a call (positions are ``frame - offset``); raises if the call cannot be served.
+
+        The tag's current offset, or ``start_frame`` when re-basing is enabled and the call would leave the table.
+        """
+        offset = self.kv_cache_engines["main"].rope_offset(cache_tag)
+        position = start_frame - offset
+        if self.rope_rebasing and (position < 0 or position + num_frames > self.rotary_tables.max_seq_len):
+            offset = start_frame
+        self.rotary_tables.check_range(start_frame - offset, num_frames, height, width)
+        return offset
+
+    def _rebase_rope(self, cache_tag: str, rope_offset: int, device: torch.device) -> None:
+        """Move every engine's ``cache_tag`` to ``rope_offset``, re-rotating the cached keys."""
+        for engine in self.kv_cache_engines.values():
+            shift = engine.rope_offset(cache_tag) - rope_offset
+            if shift:
+                rotation = self.rotary_tables.temporal_shift(shift, device)
+                engine.rebase_positions(cache_tag, rope_offset, functools.partial(apply_rotary_emb, rotary_emb=rotation))
+
+    def _resolve_mask_backend(self, device: torch.device) -> str:
+        if self.block_mask_backend != "auto":
+            return self.block_mask_backend
+        return "flex" if device.type == "cuda" else "sdpa"
+
+    # ------------------------------------------------------------------ forward helpers
+    def chunk_layout_for(self, num_frames: int, start_frame: int = 0) -> tuple[int, ...]:
+        """Chunks a call of ``num_frames`` latent frames at ``start_frame`` is split into (the mask's partition)."""
+        first_alone = self.config.independent_first_frame and start_frame == 0
+        return chunk_layout(num_frames, self.config.chunk_size, first_alone)
+
+    def _frame_timesteps(self, timestep: torch.Tensor, batch_size: int, num_frames: int) -> torch.Tensor:
+        """``(B,)`` or ``(B, F)`` model-scale timesteps as ``(B, F)``."""
+        if not isinstance(timestep, torch.Tensor):
+            raise ValueError(f"`timestep` must be a tensor of shape (B,) or (B, F), got {type(timestep).__name__}.")
+        if timestep.ndim == 1 and timestep.shape[0] == batch_size:
+            return timestep[:, None].expand(batch_size, num_frames)
+        if timestep.shape == (batch_size, num_frames):
+            return timestep
+        raise ValueError(
+            f"`timestep` must have shape ({batch_size},) or ({batch_size}, {num_frames}) (batch, latent frames) for "
+            f"`hidden_states` of batch {batch_size} with {num_frames} frames, got {tuple(timestep.shape)}."
+        )
+
+    def _compute_dtype(self, device: torch.device) -> torch.dtype:
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.blocks[0].attn1.to_k.weight.dtype
+
+    def _embed_timesteps(self, frame_timesteps: torch.Tensor, dtype: torch.dtype):
+        """Per-frame ``temb`` ``(B, F, D)`` and ``timestep_proj`` ``(B, F, 6, D)`` from a float64 sinusoid."""
+        embedder = self.condition_embedder
+        batch_size, num_frames = frame_timesteps.shape
+        sinusoid = timestep_sinusoid_fp64(frame_timesteps.flatten(), self.config.freq_dim)
+        time_dtype = next(iter(embedder.time_embedder.parameters())).dtype
+        temb = embedder.time_embedder(sinusoid.to(time_dtype)).to(dtype)
+        timestep_proj = embedder.time_proj(embedder.act_fn(temb))
+        temb = temb.unflatten(0, (batch_size, num_frames))
+        timestep_proj = timestep_proj.unflatten(0, (batch_size, num_frames)).unflatten(2, (6, -1))
+        return temb, timestep_proj
+
+    def _image_token_count(self, encoder_hidden_states_image: torch.Tensor | None) -> int:
+        """Image tokens the embedder makes of ``encoder_hidden_states_image`` (FLF2V pairs two images per sample)."""
+        if encoder_hidden_states_image is None:
+            return 0
+        image_embedder = self.condition_embedder.image_embedder
+        if image_embedder is None:
+            raise ValueError("`encoder_hidden_states_image` was given but this model has no image embedder.")
+        pairs = 2 if image_embedder.pos_embed is not None else 1
+        return encoder_hidden_states_image.shape[1] * pairs
+
+    def _embed_context(
+        self, encoder_hidden_states: torch.Tensor, encoder_hidden_states_image: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The cross-attention context ``(B, L_img + L_text, D)``: embedded image tokens, then text tokens."""
+        embedder = self.condition_embedder
+        context = embedder.text_embedder(encoder_hidden_states)
+        if encoder_hidden_states_image is not None:
+            context = torch.cat([embedder.image_embedder(encoder_hidden_states_image), context], dim=1)
+        return context
+
+    def _prepare_context(
+        self,
+        *,
+        batch_size: int,
+        num_frames: int,
+        frame_seqlen: int,
+        start_frame: int,
+        cache_tag: str,
+        store_kv: bool,
+        device: torch.device,
+        conditioning: tuple[torch.Tensor | None, ...],
+        text_len: int,
+        image_len: int,
+    ) -> CausalContext:
+        """Size the entries of ``cache_tag`` and decide each engine's cross K/V mode (after :meth:`_check_call`)."""
+        dtype = self._compute_dtype(device)
+        grad_enabled = torch.is_grad_enabled()
+        cross_modes = {}
+        layout = self.chunk_layout_for(num_frames, start_frame)
+        for engine in self.kv_cache_engines.values():
+            engine.ensure_capacity(
+                cache_tag,
+                batch_size=batch_size,
+                frame_seqlen=frame_seqlen,
+                num_heads=self.config.num_attention_heads,
+                head_dim=self.config.attention_head_dim,
+                dtype=dtype,
+                device=device,
+                text_len=text_len,
+                image_len=image_len,
+                max_frames=start_frame + num_frames,
+            )
+            engine.begin_call(cache_tag, start_frame, layout[0])
+            cross_modes[id(engine)] = engine.cross_mode(
+                cache_tag, conditioning, store_kv=store_kv, grad_enabled=grad_enabled
+            )
+        return CausalContext(
+            cache_engines=self.kv_cache_engines,
+            cache_tag=cache_tag,
+            store_kv=store_kv,
+            start_frame=start_frame,
+            num_frames=num_frames,
+            frame_seqlen=frame_seqlen,
+            chunk_size=self.config.chunk_size,
+            chunk_layout=layout,
+            image_context_length=image_len,
+            cross_modes=cross_modes,
+            mask_backend=self._resolve_mask_backend(device),
+        )
+
+    def _check_call(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        *,
+        start_frame: int,
+        cache_tag: str,
+    ) -> tuple[int, int, int]:
+        """Validate a call against the config and every engine; returns ``(post-patch F, H', W')``. Writes nothing."""
+        if hidden_states.ndim != 5:
+            raise ValueError(f"`hidden_states` must be (B, C, F, H, W), got shape {tuple(hidden_states.shape)}.")
+        if encoder_hidden_states is None or encoder_hidden_states.ndim != 3:
+            raise ValueError("`encoder_hidden_states` must be a (B, L, text_dim) tensor.")
+        if encoder_hidden_states.shape[0] != hidden_states.shape[0]:
+            raise ValueError(
+                f"`encoder_hidden_states` has batch {encoder_hidden_states.shape[0]}, `hidden_states` has batch "
+                f"{hidden_states.shape[0]}."
+            )
+        if not isinstance(start_frame, int) or isinstance(start_frame, bool):
+            raise ValueError(f"`start_frame` must be an int, got {type(start_frame).__name__}.")
+        if not isinstance(cache_tag, str):
+            raise ValueError(f"`cache_tag` must be a string such as 'pos' or 'neg', got {cache_tag!r}.")
+        _, _, num_frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = self.config.patch_size
+        if height % p_h or width % p_w:
+            raise ValueError(f"Latent height/width ({height}, {width}) must be divisible by the patch ({p_h}, {p_w}).")
+        post_h, post_w = height // p_h, width // p_w
+        self._rope_offset_for(cache_tag, start_frame, num_frames // p_t, post_h, post_w)
+        layout = self.chunk_layout_for(num_frames // p_t, start_frame)
+        for engine in self.kv_cache_engines.values():
+            engine.check_call(
+                cache_tag,
+                start_frame=start_frame,
+                batch_size=hidden_states.shape[0],
+                frame_seqlen=post_h * post_w,
+                num_heads=self.config.num_attention_heads,
+                head_dim=self.config.attention_head_dim,
+                dtype=self._compute_dtype(hidden_states.device),
+                device=hidden_states.device,
+                chunk_layout=layout,
+            )
+        return num_frames // p_t, post_h, post_w
+
+    def _run_blocks(self, blocks, hidden_states, context, timestep_proj, rotary_emb, ctx: CausalContext):
+        for block in blocks:
+            if torch.is_grad_enabled() and self.gradient_checkpointing:
+                hidden_states = self._gradient_checkpointing_func(
+                    block, hidden_states, context, timestep_proj, rotary_emb, ctx
+                )
+            else:
+                hidden_states = block(hidden_states, context, timestep_proj, rotary_emb, ctx)
+        return hidden_states
+
+    def _finish_call(self, ctx: CausalContext, conditioning, failed: bool) -> None:
+        """Commit what a ``store_kv`` call wrote, or undo it when the forward failed midway."""
+        for engine in self.kv_cache_engines.values():
+            filled = ctx.cross_mode(engine) is CrossKVMode.FILL
+            if failed:
+                if ctx.store_kv:
+                    engine.abort_store(ctx.cache_tag, ctx.start_frame, cross_filled=filled)
+                continue
+            if ctx.store_kv:
+                engine.commit_store(ctx.cache_tag, ctx.start_frame, ctx.num_frames)
+            if filled:
+                engine.mark_cross_filled(ctx.cache_tag, conditioning)
+
+    def _output_head(self, hidden_states, temb, batch_size, post_f, post_h, post_w) -> torch.Tensor:
+        """Per-frame modulated output norm, projection and unpatchify to ``(B, C_out, F, H, W)``."""
+        p_t, p_h, p_w = self.config.patch_size
+        shift, scale = (self.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
+        norm = self.norm_out(hidden_states.float()).unflatten(1, (post_f, -1))
+        hidden_states = (norm * (1 + scale) + shift).flatten(1, 2).type_as(hidden_states)
+        hidden_states = self.proj_out(hidden_states)
+        hidden_states = hidden_states.reshape(batch_size, post_f, post_h, post_w, p_t, p_h, p_w, -1)
+        hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    # ------------------------------------------------------------------ forward
+    def _causal_forward(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_image: torch.Tensor | None,
+        *,
+        start_frame: int,
+        cache_tag: str,
+        store_kv: bool,
+        return_dict: bool,
+        **block_inputs: Any,
+    ) -> torch.Tensor | Transformer2DModelOutput:
+        """The forward of a causal model around its block loop; ``block_inputs`` go to ``_forward_blocks``."""
+        batch_size = hidden_states.shape[0]
+        post_f, post_h, post_w = self._check_call(
+            hidden_states, encoder_hidden_states, start_frame=start_frame, cache_tag=cache_tag
+        )
+        frame_timesteps = self._frame_timesteps(timestep, batch_size, post_f)
+        device = hidden_states.device
+
+        rope_offset = self._rope_offset_for(cache_tag, start_frame, post_f, post_h, post_w)
+        self._rebase_rope(cache_tag, rope_offset, device)
+        rotary_emb = self.rotary_tables(start_frame - rope_offset, post_f, post_h, post_w, device)
+        hidden_states = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()  # (B, F*S, D)
+        temb, timestep_proj = self._embed_timesteps(frame_timesteps, encoder_hidden_states.dtype)
+        image_len = self._image_token_count(encoder_hidden_states_image)
+
+        conditioning = (encoder_hidden_states, encoder_hidden_states_image)
+        ctx = self._prepare_context(
+            batch_size=batch_size,
+            num_frames=post_f,
+            frame_seqlen=post_h * post_w,
+            start_frame=start_frame,
+            cache_tag=cache_tag,
+            store_kv=store_kv,
+            device=device,
+            conditioning=conditioning,
+            text_len=encoder_hidden_states.shape[1],
+            image_len=image_len,
+        )
+        # Every engine reads its cached cross K/V: the context embedding would go unused.
+        reads_all = all(mode is CrossKVMode.READ for mode in ctx.cross_modes.values())
+        context = None if reads_all else self._embed_context(encoder_hidden_states, encoder_hidden_states_image)
+        try:
+            hidden_states = self._forward_blocks(
+                hidden_states, context, timestep_proj, rotary_emb, ctx, **block_inputs
+            )
+        except BaseException:
+            self._finish_call(ctx, conditioning, failed=True)
+            raise
+        self._finish_call(ctx, conditioning, failed=False)
+
+        output = self._output_head(hidden_states, temb, batch_size, post_f, post_h, post_w)
+        if not return_dict:
+            return (output,)
+        return Transformer2DModelOutput(sample=output)
+
+
+class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
     r"""Causal (block-causal, KV-cached) Wan transformer; same parameters as [`WanTransformer3DModel`].
 
     Plain Wan checkpoints load with bit-identical weights. The model owns its cache engines in
@@ -100,242 +458,14 @@ class WanCausalTransformer3DModel(WanTransformer3DModel):
             rope_max_seq_len=rope_max_seq_len,
             pos_embed_seq_len=pos_embed_seq_len,
         )
-        if chunk_size < 1:
-            raise ValueError(f"`chunk_size` must be a positive number of latent frames, got {chunk_size}.")
-        if patch_size[0] != 1:
-            raise ValueError(f"Causal chunking works on latent frames and needs a temporal patch of 1, got {patch_size}.")
-        # The blocks gain a per-frame forward; ``WanCausalTransformerBlock`` adds no state, so the instances built by
-        # the parent are re-classed in place (no second allocation of the weights).
-        for block in self.blocks:
-            block.__class__ = WanCausalTransformerBlock
-        self.rotary_tables = CausalRotaryTables(attention_head_dim, patch_size, rope_max_seq_len)
-        self.block_mask_backend = "auto"
-        self._install_causal_processors()
-        self.kv_cache_engines: dict[str, BaseKVCacheEngine] = {}
-        self.set_kv_cache_engines({"main": KVCacheEngine()})
+        self._init_causal(chunk_size, patch_size, attention_head_dim, rope_max_seq_len)
 
-    # ------------------------------------------------------------------ engines and processors
     def kv_cache_branches(self) -> dict[str, nn.ModuleList]:
         """The blocks each engine branch owns: ``{"main": self.blocks}``."""
         return {"main": self.blocks}
 
-    def set_kv_cache_engines(self, engines: Mapping[str, BaseKVCacheEngine]) -> None:
-        """Attach engines by branch name and register the attention modules each one owns (caches start empty)."""
-        branches = self.kv_cache_branches()
-        unknown = sorted(set(engines) - set(branches))
-        missing = sorted(set(branches) - set(engines))
-        if unknown or missing:
-            raise ValueError(
-                f"`engines` must name exactly the branches {sorted(branches)}; unknown: {unknown}, missing: {missing}."
-            )
-        for name, engine in engines.items():
-            if not isinstance(engine, BaseKVCacheEngine):
-                raise ValueError(f"Engine {name!r} must be a BaseKVCacheEngine, got {type(engine).__name__}.")
-            engine.register_blocks(branches[name])
-        self.kv_cache_engines = dict(engines)
-
-    def clear_caches(self) -> None:
-        """Empty every engine (self and cross entries, memoized masks): the cache state of a new model."""
-        for engine in self.kv_cache_engines.values():
-            engine.clear()
-
-    def kv_cache_bytes(self, cache_tag: str | None = None) -> int:
-        """Bytes of self-attention K/V held by all engines (the cache formula's quantity)."""
-        return sum(engine.self_cache_bytes(cache_tag) for engine in self.kv_cache_engines.values())
-
-    def _install_causal_processors(self) -> None:
-        for module in self.modules():
-            if isinstance(module, WanAttention):
-                causal = WanCausalCrossAttnProcessor() if module.is_cross_attention else WanCausalAttnProcessor()
-                module.set_processor(causal)
-
-    def set_default_attn_processor(self) -> None:
-        """The default processors of a causal model are the causal ones."""
-        self._install_causal_processors()
-
-    def set_block_mask_backend(self, backend: str) -> None:
-        """Backend of the block-causal mask of multi-chunk calls: ``"auto"`` (FlexAttention on CUDA, SDPA elsewhere),
-        ``"sdpa"`` (exact boolean mask) or ``"flex"`` (FlexAttention ``BlockMask``; eager on CPU)."""
-        if backend not in MASK_BACKEND_CHOICES:
-            raise ValueError(f"`backend` must be one of {MASK_BACKEND_CHOICES}, got {backend!r}.")
-        self.block_mask_backend = backend
-
-    def _resolve_mask_backend(self, device: torch.device) -> str:
-        if self.block_mask_backend != "auto":
-            return self.block_mask_backend
-        return "flex" if device.type == "cuda" else "sdpa"
-
-    # ------------------------------------------------------------------ forward helpers
-    def chunk_layout_for(self, num_frames: int, start_frame: int = 0) -> tuple[int, ...]:
-        """Chunks a call of ``num_frames`` latent frames at ``start_frame`` is split into (the mask's partition)."""
-        first_alone = self.config.independent_first_frame and start_frame == 0
-        return chunk_layout(num_frames, self.config.chunk_size, first_alone)
-
-    def _frame_timesteps(self, timestep: torch.Tensor, batch_size: int, num_frames: int) -> torch.Tensor:
-        """``(B,)`` or ``(B, F)`` model-scale timesteps as ``(B, F)``."""
-        if not isinstance(timestep, torch.Tensor):
-            raise ValueError(f"`timestep` must be a tensor of shape (B,) or (B, F), got {type(timestep).__name__}.")
-        if timestep.ndim == 1 and timestep.shape[0] == batch_size:
-            return timestep[:, None].expand(batch_size, num_frames)
-        if timestep.shape == (batch_size, num_frames):
-            return timestep
-        raise ValueError(
-            f"`timestep` must have shape ({batch_size},) or ({batch_size}, {num_frames}) (batch, latent frames) for "
-            f"`hidden_states` of batch {batch_size} with {num_frames} frames, got {tuple(timestep.shape)}."
-        )
-
-    def _compute_dtype(self, device: torch.device) -> torch.dtype:
-        if torch.is_autocast_enabled(device.type):
-            return torch.get_autocast_dtype(device.type)
-        return self.blocks[0].attn1.to_k.weight.dtype
-
-    def _embed_conditions(
-        self,
-        frame_timesteps: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        encoder_hidden_states_image: torch.Tensor | None,
-    ):
-        """Per-frame ``temb`` ``(B, F, D)`` and ``timestep_proj`` ``(B, F, 6, D)`` and the embedded context."""
-        embedder = self.condition_embedder
-        batch_size, num_frames = frame_timesteps.shape
-        sinusoid = timestep_sinusoid_fp64(frame_timesteps.flatten(), self.config.freq_dim)
-        time_dtype = next(iter(embedder.time_embedder.parameters())).dtype
-        temb = embedder.time_embedder(sinusoid.to(time_dtype)).type_as(encoder_hidden_states)
-        timestep_proj = embedder.time_proj(embedder.act_fn(temb))
-        temb = temb.unflatten(0, (batch_size, num_frames))
-        timestep_proj = timestep_proj.unflatten(0, (batch_size, num_frames)).unflatten(2, (6, -1))
-        context = embedder.text_embedder(encoder_hidden_states)
-        image_len = 0
-        if encoder_hidden_states_image is not None:
-            if embedder.image_embedder is None:
-                raise ValueError("`encoder_hidden_states_image` was given but this model has no image embedder.")
-            image_tokens = embedder.image_embedder(encoder_hidden_states_image)
-            image_len = image_tokens.shape[1]
-            context = torch.cat([image_tokens, context], dim=1)
-        return temb, timestep_proj, context, image_len
-
-    def _prepare_context(
-        self,
-        *,
-        batch_size: int,
-        num_frames: int,
-        frame_seqlen: int,
-        start_frame: int,
-        cache_tag: str,
-        store_kv: bool,
-        device: torch.device,
-        conditioning: tuple[torch.Tensor | None, ...],
-        text_len: int,
-        image_len: int,
-    ) -> CausalContext:
-        """Size the entries of ``cache_tag`` and decide the cross K/V mode of every engine (after :meth:`_check_call`)."""
-        dtype = self._compute_dtype(device)
-        grad_enabled = torch.is_grad_enabled()
-        cross_modes = {}
-        for engine in self.kv_cache_engines.values():
-            engine.ensure_capacity(
-                cache_tag,
-                batch_size=batch_size,
-                frame_seqlen=frame_seqlen,
-                num_heads=self.config.num_attention_heads,
-                head_dim=self.config.attention_head_dim,
-                dtype=dtype,
-                device=device,
-                text_len=text_len,
-                image_len=image_len,
-                max_frames=start_frame + num_frames,
-            )
-            cross_modes[id(engine)] = engine.cross_mode(
-                cache_tag, conditioning, store_kv=store_kv, grad_enabled=grad_enabled
-            )
-        return CausalContext(
-            cache_engines=self.kv_cache_engines,
-            cache_tag=cache_tag,
-            store_kv=store_kv,
-            start_frame=start_frame,
-            num_frames=num_frames,
-            frame_seqlen=frame_seqlen,
-            chunk_size=self.config.chunk_size,
-            chunk_layout=self.chunk_layout_for(num_frames, start_frame),
-            image_context_length=image_len,
-            cross_modes=cross_modes,
-            mask_backend=self._resolve_mask_backend(device),
-        )
-
-    def _check_call(
-        self,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        *,
-        start_frame: int,
-        cache_tag: str,
-    ) -> tuple[int, int, int]:
-        """Validate a call against the config and every engine; returns ``(post-patch F, H', W')``. Writes nothing."""
-        if hidden_states.ndim != 5:
-            raise ValueError(f"`hidden_states` must be (B, C, F, H, W), got shape {tuple(hidden_states.shape)}.")
-        if encoder_hidden_states is None or encoder_hidden_states.ndim != 3:
-            raise ValueError("`encoder_hidden_states` must be a (B, L, text_dim) tensor.")
-        if encoder_hidden_states.shape[0] != hidden_states.shape[0]:
-            raise ValueError(
-                f"`encoder_hidden_states` has batch {encoder_hidden_states.shape[0]}, `hidden_states` has batch "
-                f"{hidden_states.shape[0]}."
-            )
-        if not isinstance(start_frame, int) or isinstance(start_frame, bool):
-            raise ValueError(f"`start_frame` must be an int, got {type(start_frame).__name__}.")
-        if not isinstance(cache_tag, str):
-            raise ValueError(f"`cache_tag` must be a string such as 'pos' or 'neg', got {cache_tag!r}.")
-        _, _, num_frames, height, width = hidden_states.shape
-        p_t, p_h, p_w = self.config.patch_size
-        if height % p_h or width % p_w:
-            raise ValueError(f"Latent height/width ({height}, {width}) must be divisible by the patch ({p_h}, {p_w}).")
-        post_h, post_w = height // p_h, width // p_w
-        self.rotary_tables.check_range(start_frame, num_frames, post_h, post_w)
-        for engine in self.kv_cache_engines.values():
-            engine.check_call(
-                cache_tag,
-                start_frame=start_frame,
-                batch_size=hidden_states.shape[0],
-                frame_seqlen=post_h * post_w,
-                num_heads=self.config.num_attention_heads,
-                head_dim=self.config.attention_head_dim,
-                dtype=self._compute_dtype(hidden_states.device),
-                device=hidden_states.device,
-            )
-        return num_frames // p_t, post_h, post_w
-
-    def _run_blocks(self, blocks, hidden_states, context, timestep_proj, rotary_emb, ctx: CausalContext):
-        for block in blocks:
-            if torch.is_grad_enabled() and self.gradient_checkpointing:
-                hidden_states = self._gradient_checkpointing_func(
-                    block, hidden_states, context, timestep_proj, rotary_emb, ctx
-                )
-            else:
-                hidden_states = block(hidden_states, context, timestep_proj, rotary_emb, ctx)
-        return hidden_states
-
-    def _finish_call(self, ctx: CausalContext, conditioning, failed: bool) -> None:
-        """Commit what a ``store_kv`` call wrote, or undo it when the forward failed midway."""
-        for engine in self.kv_cache_engines.values():
-            filled = ctx.cross_mode(engine) is CrossKVMode.FILL
-            if failed:
-                if ctx.store_kv:
-                    engine.abort_store(ctx.cache_tag, ctx.start_frame, cross_filled=filled)
-                continue
-            if ctx.store_kv:
-                engine.commit_store(ctx.cache_tag, ctx.start_frame, ctx.num_frames)
-            if filled:
-                engine.mark_cross_filled(ctx.cache_tag, conditioning)
-
-    def _output_head(self, hidden_states, temb, batch_size, post_f, post_h, post_w) -> torch.Tensor:
-        """Per-frame modulated output norm, projection and unpatchify to ``(B, C_out, F, H, W)``."""
-        p_t, p_h, p_w = self.config.patch_size
-        shift, scale = (self.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
-        norm = self.norm_out(hidden_states.float()).unflatten(1, (post_f, -1))
-        hidden_states = (norm * (1 + scale) + shift).flatten(1, 2).type_as(hidden_states)
-        hidden_states = self.proj_out(hidden_states)
-        hidden_states = hidden_states.reshape(batch_size, post_f, post_h, post_w, p_t, p_h, p_w, -1)
-        hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+    def _forward_blocks(self, hidden_states, context, timestep_proj, rotary_emb, ctx: CausalContext):
+        return self._run_blocks(self.blocks, hidden_states, context, timestep_proj, rotary_emb, ctx)
 
     # ------------------------------------------------------------------ forward
     @apply_lora_scale("attention_kwargs")
@@ -369,40 +499,13 @@ class WanCausalTransformer3DModel(WanTransformer3DModel):
         Returns:
             ``(B, C_out, F, H, W)`` flow prediction, like ``WanTransformer3DModel``.
         """
-        batch_size = hidden_states.shape[0]
-        post_f, post_h, post_w = self._check_call(
-            hidden_states, encoder_hidden_states, start_frame=start_frame, cache_tag=cache_tag
-        )
-        frame_timesteps = self._frame_timesteps(timestep, batch_size, post_f)
-        device = hidden_states.device
-
-        rotary_emb = self.rotary_tables(start_frame, post_f, post_h, post_w, device)
-        hidden_states = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()  # (B, F*S, D)
-        temb, timestep_proj, context, image_len = self._embed_conditions(
-            frame_timesteps, encoder_hidden_states, encoder_hidden_states_image
-        )
-
-        conditioning = (encoder_hidden_states, encoder_hidden_states_image)
-        ctx = self._prepare_context(
-            batch_size=batch_size,
-            num_frames=post_f,
-            frame_seqlen=post_h * post_w,
+        return self._causal_forward(
+            hidden_states,
+            timestep,
+            encoder_hidden_states,
+            encoder_hidden_states_image,
             start_frame=start_frame,
             cache_tag=cache_tag,
             store_kv=store_kv,
-            device=device,
-            conditioning=conditioning,
-            text_len=encoder_hidden_states.shape[1],
-            image_len=image_len,
+            return_dict=return_dict,
         )
-        try:
-            hidden_states = self._run_blocks(self.blocks, hidden_states, context, timestep_proj, rotary_emb, ctx)
-        except BaseException:
-            self._finish_call(ctx, conditioning, failed=True)
-            raise
-        self._finish_call(ctx, conditioning, failed=False)
-
-        output = self._output_head(hidden_states, temb, batch_size, post_f, post_h, post_w)
-        if not return_dict:
-            return (output,)
-        return Transformer2DModelOutput(sample=output)

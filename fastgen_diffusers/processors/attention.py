@@ -37,16 +37,14 @@ def rms_norm_fp32(norm: torch.nn.RMSNorm, hidden_states: torch.Tensor) -> torch.
     return F.rms_norm(hidden_states.float(), norm.normalized_shape, weight, norm.eps).type_as(hidden_states)
 
 
-def apply_rotary_emb(hidden_states: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate interleaved pairs of ``hidden_states`` ``(B, L, H, D)``.
+def apply_rotary_emb(hidden_states: torch.Tensor, rotary_emb: torch.Tensor) -> torch.Tensor:
+    """Rotate the interleaved channel pairs of ``hidden_states`` ``(B, L, H, D)`` by ``rotary_emb``.
 
-    ``rotary_emb`` is ``(cos, signed_sin)``, each ``(1, L, 1, D)`` float32, with ``signed_sin`` holding ``-sin`` at
-    even and ``+sin`` at odd channels, so that ``out = x * cos + swap_pairs(x) * signed_sin``.
+    ``rotary_emb`` is ``(1, L, 1, D/2)`` complex64: pair ``(x[2i], x[2i+1])`` is multiplied, as the complex number
+    ``x[2i] + j x[2i+1]``, by element ``i`` (one complex product: the math of diffusers' Wan RoPE, in float32).
     """
-    cos, signed_sin = rotary_emb
-    x = hidden_states.float()
-    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return (x * cos + swapped * signed_sin).type_as(hidden_states)
+    pairs = torch.view_as_complex(hidden_states.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotary_emb).flatten(-2).type_as(hidden_states)
 
 
 @functools.cache
@@ -91,7 +89,7 @@ class WanCausalAttnProcessor:
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary_emb: torch.Tensor | None = None,
         *,
         causal_context: CausalContext | None = None,
     ) -> torch.Tensor:
@@ -106,7 +104,9 @@ class WanCausalAttnProcessor:
         query = apply_rotary_emb(query, rotary_emb)
         key = apply_rotary_emb(key, rotary_emb)
 
-        full_key, full_value = engine.self_attention_kv(block_idx, ctx.cache_tag, key, value, ctx.start_frame)
+        full_key, full_value = engine.self_attention_kv(
+            block_idx, ctx.cache_tag, key, value, ctx.start_frame, first_chunk_frames=ctx.chunk_layout[0]
+        )
         mask = ctx.self_attention_mask(engine, query.device)
         if mask is None:
             hidden_states = dispatch_attention_fn(
@@ -142,7 +142,7 @@ class WanCausalCrossAttnProcessor:
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary_emb: torch.Tensor | None = None,
         *,
         causal_context: CausalContext | None = None,
     ) -> torch.Tensor:

@@ -1,0 +1,42 @@
+"""Build the engine dict of a causal model from a few rollout options."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import BaseKVCacheEngine
+from .static_engine import StaticKVCacheEngine
+from .vanilla_engine import VanillaKVCacheEngine
+
+ENGINE_KINDS = ("static", "vanilla")
+
+
+def make_engines(
+    transformer: Any,
+    kind: str = "static",
+    *,
+    window_frames: int | None = None,
+    sink_frames: int = 0,
+    max_frames: int | None = None,
+) -> dict[str, BaseKVCacheEngine]:
+    """One engine per branch of ``transformer`` (``transformer.kv_cache_branches()``), ready for
+    ``transformer.set_kv_cache_engines(...)``.
+
+    Args:
+        transformer: a causal model (``WanCausalTransformer3DModel`` or ``WanCausalVACETransformer3DModel``).
+        kind: ``"static"`` (preallocated, in place) or ``"vanilla"`` (list of chunk tensors).
+        window_frames: sliding attention window in latent frames, own frames and sink included (``None``: no window).
+        sink_frames: first latent frames kept for ever inside the window.
+        max_frames: latent frames of the rollout, so that static engines allocate once (ignored by ``"vanilla"``).
+    """
+    if kind == "static":
+        return {
+            name: StaticKVCacheEngine(max_frames, window_frames=window_frames, sink_frames=sink_frames)
+            for name in transformer.kv_cache_branches()
+        }
+    if kind == "vanilla":
+        return {
+            name: VanillaKVCacheEngine(window_frames=window_frames, sink_frames=sink_frames)
+            for name in transformer.kv_cache_branches()
+        }
+    raise ValueError(f"`kind` must be one of {ENGINE_KINDS}, got {kind!r}.")

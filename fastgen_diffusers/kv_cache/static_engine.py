@@ -1,0 +1,201 @@
+"""A preallocated KV cache: per block and tag, K/V buffers written in place and read as views.
+
+Every frame has a fixed slot in the buffers. Without a window, frame ``f`` lives in slot ``f``. With a window of
+``W`` frames and ``S`` sink frames, the buffers hold ``W`` slots: the sink frames keep slots ``0 .. S-1`` and every
+later frame ``f`` takes slot ``S + (f - S) % (W - S)`` of a ring. The hot call of a rollout (a call at the end of
+what is stored, the denoising steps and the store of a new chunk) writes its own K/V into their slots and attends
+to the view ``buffer[:, :visible]``:
+
+* without a window, the view is frames ``[0, start + F)`` in order;
+* with a window, once the video is longer than the window, the view is the whole buffer: the sink plus the ring,
+  which then holds exactly the frames the chunk attends to (its own frames and the most recent others). The ring
+  order is not frame order, which attention over keys without a mask does not see (keys carry their RoPE
+  positions). Calls that need a mask (several chunks) or that start before the end of the cache gather the prefix
+  in frame order and concatenate, as the vanilla engine does.
+
+So a rollout allocates nothing per step and, with a window, every call attends to views of one shape, which is what
+``torch.compile`` / CUDA graph capture need. Calls with gradients (training) take the concatenating path, since an
+in-place write would be part of the graph.
+
+Capacity: ``max_frames`` (constructor) allocates that many frame slots up front (capped at ``window_frames``). When a
+call needs more slots than allocated, the buffers grow to at least twice their size (a copy of what they hold), so
+growth happens a logarithmic number of times in a rollout; pass ``max_frames`` to allocate once.
+:meth:`StaticKVCacheEngine.allocated_self_cache_bytes` reports the allocated capacity;
+:meth:`~BaseKVCacheEngine.self_cache_bytes` the K/V actually held (the cache formula over the held tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .base import BaseKVCacheEngine, TagState, expected_self_cache_bytes
+
+
+@dataclass
+class StaticSelfEntry:
+    """Self-attention K/V buffers of one block and tag, each ``(B, capacity * S, H, D)`` (``S`` tokens per frame)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+class StaticKVCacheEngine(BaseKVCacheEngine):
+    """Preallocated, in-place KV cache with the contract and numbers of the vanilla engine.
+
+    Args:
+        max_frames: frames to allocate per tag up front (the rollout's latent frame count); ``None`` sizes the
+            buffers from the first call and grows them by doubling when needed.
+        window_frames: sliding attention window in latent frames (see :class:`BaseKVCacheEngine`); the buffers then
+            never exceed ``window_frames`` frames.
+        sink_frames: first frames kept for ever inside the window.
+    """
+
+    def __init__(
+        self, max_frames: int | None = None, *, window_frames: int | None = None, sink_frames: int = 0
+    ) -> None:
+        super().__init__(window_frames=window_frames, sink_frames=sink_frames)
+        if max_frames is not None and (isinstance(max_frames, bool) or not isinstance(max_frames, int)):
+            raise ValueError(f"`max_frames` must be None or a positive int, got {max_frames!r}.")
+        if max_frames is not None and max_frames < 1:
+            raise ValueError(f"`max_frames` must be None or a positive int, got {max_frames}.")
+        self.max_frames = max_frames
+
+    # ------------------------------------------------------------------ capacity
+    def _capacity_for(self, frames: int) -> int:
+        """Frame slots needed to serve ``frames`` frames (at most the window)."""
+        frames = max(frames, self.max_frames or 0)
+        return frames if self.window_frames is None else min(frames, self.window_frames)
+
+    def _new_self_entry(self, state: TagState, max_frames: int | None) -> StaticSelfEntry:
+        slots = self._capacity_for(max_frames or 1) * state.frame_seqlen
+        shape = (state.batch_size, slots, state.num_heads, state.head_dim)
+        return StaticSelfEntry(
+            torch.zeros(shape, dtype=state.dtype, device=state.device),
+            torch.zeros(shape, dtype=state.dtype, device=state.device),
+        )
+
+    def _reserve(self, state: TagState, cache_tag: str, max_frames: int | None) -> None:
+        if max_frames is None:
+            return
+        needed = self._capacity_for(max_frames) * state.frame_seqlen
+        for per_tag in self._self_kv:
+            entry: StaticSelfEntry = per_tag[cache_tag]
+            capacity = entry.key.shape[1]
+            if capacity >= needed:
+                continue
+            grown = max(needed, 2 * capacity)
+            if self.window_frames is not None:
+                grown = min(grown, self.window_frames * state.frame_seqlen)
+            entry.key = self._grow(entry.key, grown)
+            entry.value = self._grow(entry.value, grown)
+
+    @staticmethod
+    def _grow(buffer: torch.Tensor, slots: int) -> torch.Tensor:
+        grown = buffer.new_zeros((buffer.shape[0], slots, *buffer.shape[2:]))
+        grown[:, : buffer.shape[1]] = buffer
+        return grown
+
+    # ------------------------------------------------------------------ slots
+    def _slot_runs(self, first: int, last: int) -> list[tuple[int, int, int]]:
+        """``(frame, slot, count)`` runs covering frames ``[first, last)`` (at most ``window - sink`` non-sink
+        frames when the range passes the window)."""
+        if first >= last:
+            return []
+        if self.window_frames is None or last <= self.window_frames:
+            return [(first, first, last - first)]
+        runs = []
+        if first < self.sink_frames:
+            runs.append((first, first, self.sink_frames - first))
+            first = self.sink_frames
+        ring = self.window_frames - self.sink_frames
+        slot = self.sink_frames + (first - self.sink_frames) % ring
+        count = min(last - first, self.window_frames - slot)
+        runs.append((first, slot, count))
+        if first + count < last:
+            runs.append((first + count, self.sink_frames, last - first - count))
+        return runs
+
+    def _write(
+        self, entry: StaticSelfEntry, seqlen: int, key: torch.Tensor, value: torch.Tensor, key_start: int, frames
+    ) -> None:
+        """Copy frames ``[first, last)`` of ``key``/``value`` (whose first frame is ``key_start``) into their slots."""
+        first, last = frames
+        for frame, slot, count in self._slot_runs(first, last):
+            src = slice((frame - key_start) * seqlen, (frame - key_start + count) * seqlen)
+            dst = slice(slot * seqlen, (slot + count) * seqlen)
+            entry.key[:, dst] = key[:, src]
+            entry.value[:, dst] = value[:, src]
+
+    # ------------------------------------------------------------------ attention
+    def self_attention_kv(self, block_idx, cache_tag, key, value, start_frame, first_chunk_frames=None):
+        state = self._tags[cache_tag]
+        seqlen = state.frame_seqlen
+        num_frames = key.shape[1] // seqlen
+        end_frame = start_frame + num_frames
+        single_chunk = first_chunk_frames is None or first_chunk_frames == num_frames
+        in_frame_order = self.window_frames is None or end_frame <= self.window_frames
+        hot = start_frame == state.num_frames and (single_chunk or in_frame_order)
+        if not hot or key.requires_grad or value.requires_grad:
+            return super().self_attention_kv(block_idx, cache_tag, key, value, start_frame, first_chunk_frames)
+        entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
+        self._write(entry, seqlen, key, value, start_frame, (start_frame, end_frame))
+        visible = end_frame if self.window_frames is None else min(end_frame, self.window_frames)
+        return entry.key[:, : visible * seqlen], entry.value[:, : visible * seqlen]
+
+    def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames):
+        entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
+        seqlen = self._tags[cache_tag].frame_seqlen
+        sink_end, recent_start = self.visible_window(start_frame, first_chunk_frames)
+        keys, values = [], []
+        for first, last in ((0, sink_end), (recent_start, start_frame)):
+            for _, slot, count in self._slot_runs(first, last):
+                tokens = slice(slot * seqlen, (slot + count) * seqlen)
+                keys.append(entry.key[:, tokens])
+                values.append(entry.value[:, tokens])
+        return keys, values
+
+    # ------------------------------------------------------------------ stores and edits
+    def append_self_kv(self, block_idx, cache_tag, key, value, start_frame):
+        entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
+        state = self._tags[cache_tag]
+        end_frame = start_frame + key.shape[1] // state.frame_seqlen
+        for frames in self._store_window(state, start_frame, end_frame):
+            self._write(entry, state.frame_seqlen, key.detach(), value.detach(), start_frame, frames)
+
+    def _truncate_self_entry(self, entry: StaticSelfEntry, state: TagState, end_frame: int) -> None:
+        """Nothing to free: slots are fixed, and the tag state says which frames are held."""
+
+    def _evict_self_entry(self, entry: StaticSelfEntry, state: TagState, before: int) -> None:
+        """Nothing to free: evicted frames' slots are overwritten by the frames that replace them."""
+
+    def _rotate_self_entry(
+        self, entry: StaticSelfEntry, state: TagState, rotate: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        entry.key.copy_(rotate(entry.key))
+
+    def _copy_self_entry(self, entry: StaticSelfEntry) -> StaticSelfEntry:
+        # Buffers are written in place, so a fork needs its own.
+        return StaticSelfEntry(entry.key.clone(), entry.value.clone())
+
+    def _self_entry_tensors(self, entry: StaticSelfEntry) -> list[torch.Tensor]:
+        return [entry.key, entry.value]
+
+    # ------------------------------------------------------------------ memory
+    def self_cache_bytes(self, cache_tag: str | None = None) -> int:
+        """Bytes of the K/V held: the cache formula over :meth:`held_frames` (never the allocated capacity, which
+        :meth:`allocated_self_cache_bytes` reports)."""
+        return sum(
+            expected_self_cache_bytes(
+                self.num_blocks,
+                state.batch_size,
+                state.num_heads,
+                self.held_frames(tag) * state.frame_seqlen,
+                state.head_dim,
+                state.dtype,
+            )
+            for tag, state in self._tags.items()
+            if cache_tag is None or tag == cache_tag
+        )

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY_WAN_CONFIG = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 32,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 32,
+    "freq_dim": 256,
+    "ffn_dim": 64,
+    "num_layers": 2,
+    "rope_max_seq_len": 1024,
+}
+
+
+def make_causal_transformer(seed: int = 0, **overrides):
+    """A tiny random causal Wan transformer with a non-degenerate output head (head_dim 32: RoPE split 12/10/10)."""
+    from fastgen_diffusers import WanCausalTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanCausalTransformer3DModel(**{**TINY_WAN_CONFIG, **overrides}).eval()
+
+
+@pytest.fixture
+def tiny_model():
+    return make_causal_transformer()
+
+
+@pytest.fixture
+def latents():
+    """``(B=2, C=16, F=8, H=6, W=10)``: batch > 1, non-square, 15 tokens per frame, 8 frames = chunks (5, 3)."""
+    return torch.randn(2, 16, 8, 6, 10, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture
+def prompt_embeds():
+    return torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2))
