@@ -4,8 +4,26 @@ from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (saved pip
 
 from .chunking import chunk_layout
 from .context import CausalContext
-from .kv_cache import BaseKVCacheEngine, KVCacheEngine, VanillaKVCacheEngine, expected_self_cache_bytes
-from .models import WanCausalTransformer3DModel
+from .kv_cache import (
+    BaseKVCacheEngine,
+    KVCacheEngine,
+    StaticKVCacheEngine,
+    VanillaKVCacheEngine,
+    expected_self_cache_bytes,
+    make_engines,
+)
+from .models import VACEHintCache, WanCausalTransformer3DModel, WanCausalVACETransformer3DModel
+from .pipelines import (
+    CausalRolloutMixin,
+    ChunkOutput,
+    WanCausalImageToVideoPipeline,
+    WanCausalPipeline,
+    WanCausalVACEPipeline,
+    causal_scheduler_from_config,
+    causal_transformer_from_wan,
+    causal_transformer_from_wan_vace,
+    wan_transformer_from_causal,
+)
 from .processors import WanCausalAttnProcessor, WanCausalCrossAttnProcessor
 
 __version__ = "0.1.0"
@@ -13,11 +31,24 @@ __version__ = "0.1.0"
 __all__ = [
     "BaseKVCacheEngine",
     "CausalContext",
+    "CausalRolloutMixin",
+    "ChunkOutput",
     "KVCacheEngine",
+    "StaticKVCacheEngine",
+    "VACEHintCache",
     "VanillaKVCacheEngine",
     "WanCausalAttnProcessor",
     "WanCausalCrossAttnProcessor",
+    "WanCausalImageToVideoPipeline",
+    "WanCausalPipeline",
+    "WanCausalVACEPipeline",
     "WanCausalTransformer3DModel",
+    "WanCausalVACETransformer3DModel",
+    "causal_scheduler_from_config",
+    "causal_transformer_from_wan",
+    "causal_transformer_from_wan_vace",
     "chunk_layout",
     "expected_self_cache_bytes",
+    "make_engines",
+    "wan_transformer_from_causal",
 ]

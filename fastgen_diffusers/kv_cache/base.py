@@ -392,7 +392,7 @@ class BaseKVCacheEngine:
     def _self_prefix_pieces(
         self, block_idx: int, cache_tag: str, start_frame: int, first_chunk_frames: int
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Views of the visible cached K and V, each ``(B, tokens, H, D)``, in frame order (see :meth:`visible_window`)."""
+        """Views of the visible cached K and V, each ``(B, tokens, H, D)``, in frame order (:meth:`visible_window`)."""
         raise NotImplementedError
 
     def get_self_prefix(self, block_idx: int, cache_tag: str, start_frame: int, first_chunk_frames: int = 1):

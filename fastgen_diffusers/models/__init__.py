@@ -2,7 +2,15 @@
 
 from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (saved pipelines resolve classes through it)
 
-from .blocks import WanCausalTransformerBlock, causal_block_forward
+from .blocks import WanCausalTransformerBlock, WanCausalVACETransformerBlock, causal_block_forward
 from .transformer_wan_causal import WanCausalTransformer3DModel
+from .transformer_wan_vace_causal import VACEHintCache, WanCausalVACETransformer3DModel
 
-__all__ = ["WanCausalTransformer3DModel", "WanCausalTransformerBlock", "causal_block_forward"]
+__all__ = [
+    "VACEHintCache",
+    "WanCausalTransformer3DModel",
+    "WanCausalTransformerBlock",
+    "WanCausalVACETransformer3DModel",
+    "WanCausalVACETransformerBlock",
+    "causal_block_forward",
+]

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from diffusers.configuration_utils import register_to_config
+from diffusers.models._modeling_parallel import ContextParallelConfig
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (saved pipelines resolve classes through it)
 from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel
@@ -17,6 +18,13 @@ from torch import nn
 from ..chunking import chunk_layout
 from ..context import CausalContext
 from ..kv_cache import BaseKVCacheEngine, CrossKVMode, KVCacheEngine
+from ..parallel import (
+    check_context_parallel_config,
+    check_frame_tokens,
+    context_parallel_config,
+    gather_frames,
+    shard_frames,
+)
 from ..processors import WanCausalAttnProcessor, WanCausalCrossAttnProcessor, apply_rotary_emb
 from .blocks import WanCausalTransformerBlock
 from .rope import CausalRotaryTables
@@ -101,7 +109,61 @@ class CausalWanMixin:
         for module in self.modules():
             if isinstance(module, WanAttention):
                 causal = WanCausalCrossAttnProcessor() if module.is_cross_attention else WanCausalAttnProcessor()
+                # processors re-installed after `enable_parallelism` keep taking part in it
+                causal._parallel_config = getattr(self, "_parallel_config", None)
                 module.set_processor(causal)
+
+    # ------------------------------------------------------------------ context parallelism
+    def enable_parallelism(self, *, config, cp_plan=None) -> None:
+        """diffusers' ``enable_parallelism``, checked for a KV-cached causal rollout first (Ulysses only).
+
+        The causal model shards and gathers its own tokens (every latent frame split evenly across the ranks, see
+        :mod:`fastgen_diffusers.parallel`), so its ``_cp_plan`` is empty and ``cp_plan`` must not be given. Raises
+        ``ValueError`` before any set-up for ring attention, heads that do not divide by ``ulysses_degree``, or
+        attention modules whose processors are not the causal ones.
+        """
+        cp_config = config if isinstance(config, ContextParallelConfig) else config.context_parallel_config
+        if cp_config is not None:
+            if self._cp_plan is None:
+                raise NotImplementedError(f"{type(self).__name__} does not support context parallelism yet.")
+            if cp_plan:
+                raise ValueError(
+                    f"{type(self).__name__} shards its own tokens under context parallelism (every latent frame "
+                    "split across the ranks); pass no `cp_plan`."
+                )
+            check_context_parallel_config(cp_config, self.config.num_attention_heads)
+            for name, module in self.named_modules():
+                if isinstance(module, WanAttention) and not isinstance(
+                    module.processor, (WanCausalAttnProcessor, WanCausalCrossAttnProcessor)
+                ):
+                    raise ValueError(
+                        f"`enable_parallelism` was called before the causal attention processors were installed: "
+                        f"{name} runs {type(module.processor).__name__}. Call `set_default_attn_processor()` (which "
+                        "installs them) first; the causal processors do the Ulysses exchange around the KV cache."
+                    )
+        super().enable_parallelism(config=config, cp_plan=cp_plan)
+
+    def _cache_heads(self) -> int:
+        """Heads whose K/V this process caches: all of them, or ``heads / ulysses_degree`` under Ulysses."""
+        cp_config = context_parallel_config(self)
+        heads = self.config.num_attention_heads
+        return heads if cp_config is None else heads // cp_config.ulysses_degree
+
+    def _check_context_parallel_call(self, frame_seqlen: int) -> None:
+        """Under context parallelism: the frame splits evenly and every processor takes part in the exchange."""
+        cp_config = context_parallel_config(self)
+        if cp_config is None:
+            return
+        check_frame_tokens(frame_seqlen, cp_config)
+        for blocks in self.kv_cache_branches().values():
+            for block in blocks:
+                for attn in (block.attn1, block.attn2):
+                    if context_parallel_config(attn.processor) is not cp_config:
+                        raise RuntimeError(
+                            f"{type(attn.processor).__name__} of a block does not take part in this model's context "
+                            "parallelism (a processor set after `enable_parallelism`); re-install the causal "
+                            "processors with `set_default_attn_processor()`."
+                        )
 
     def set_default_attn_processor(self) -> None:
         """The default processors of a causal model are the causal ones."""
@@ -149,7 +211,9 @@ class CausalWanMixin:
             shift = engine.rope_offset(cache_tag) - rope_offset
             if shift:
                 rotation = self.rotary_tables.temporal_shift(shift, device)
-                engine.rebase_positions(cache_tag, rope_offset, functools.partial(apply_rotary_emb, rotary_emb=rotation))
+                engine.rebase_positions(
+                    cache_tag, rope_offset, functools.partial(apply_rotary_emb, rotary_emb=rotation)
+                )
 
     def _resolve_mask_backend(self, device: torch.device) -> str:
         if self.block_mask_backend != "auto":
@@ -236,7 +300,7 @@ class CausalWanMixin:
                 cache_tag,
                 batch_size=batch_size,
                 frame_seqlen=frame_seqlen,
-                num_heads=self.config.num_attention_heads,
+                num_heads=self._cache_heads(),
                 head_dim=self.config.attention_head_dim,
                 dtype=dtype,
                 device=device,
@@ -289,6 +353,7 @@ class CausalWanMixin:
         if height % p_h or width % p_w:
             raise ValueError(f"Latent height/width ({height}, {width}) must be divisible by the patch ({p_h}, {p_w}).")
         post_h, post_w = height // p_h, width // p_w
+        self._check_context_parallel_call(post_h * post_w)
         self._rope_offset_for(cache_tag, start_frame, num_frames // p_t, post_h, post_w)
         layout = self.chunk_layout_for(num_frames // p_t, start_frame)
         for engine in self.kv_cache_engines.values():
@@ -297,7 +362,7 @@ class CausalWanMixin:
                 start_frame=start_frame,
                 batch_size=hidden_states.shape[0],
                 frame_seqlen=post_h * post_w,
-                num_heads=self.config.num_attention_heads,
+                num_heads=self._cache_heads(),
                 head_dim=self.config.attention_head_dim,
                 dtype=self._compute_dtype(hidden_states.device),
                 device=hidden_states.device,
@@ -329,12 +394,19 @@ class CausalWanMixin:
                 engine.mark_cross_filled(ctx.cache_tag, conditioning)
 
     def _output_head(self, hidden_states, temb, batch_size, post_f, post_h, post_w) -> torch.Tensor:
-        """Per-frame modulated output norm, projection and unpatchify to ``(B, C_out, F, H, W)``."""
+        """Per-frame modulated output norm, projection and unpatchify to ``(B, C_out, F, H, W)``.
+
+        Under context parallelism ``hidden_states`` holds this rank's tokens of every frame; the projection is
+        all-gathered so that every rank returns the whole prediction.
+        """
         p_t, p_h, p_w = self.config.patch_size
         shift, scale = (self.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
         norm = self.norm_out(hidden_states.float()).unflatten(1, (post_f, -1))
         hidden_states = (norm * (1 + scale) + shift).flatten(1, 2).type_as(hidden_states)
         hidden_states = self.proj_out(hidden_states)
+        cp_config = context_parallel_config(self)
+        if cp_config is not None:
+            hidden_states = gather_frames(hidden_states, post_f, cp_config)
         hidden_states = hidden_states.reshape(batch_size, post_f, post_h, post_w, p_t, p_h, p_w, -1)
         hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)
         return hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
@@ -365,6 +437,9 @@ class CausalWanMixin:
         self._rebase_rope(cache_tag, rope_offset, device)
         rotary_emb = self.rotary_tables(start_frame - rope_offset, post_f, post_h, post_w, device)
         hidden_states = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()  # (B, F*S, D)
+        cp_config = context_parallel_config(self)
+        if cp_config is not None:  # Ulysses: this rank's S/P tokens of every frame; RoPE stays whole (processors)
+            hidden_states = shard_frames(hidden_states, post_f, cp_config)
         temb, timestep_proj = self._embed_timesteps(frame_timesteps, encoder_hidden_states.dtype)
         image_len = self._image_token_count(encoder_hidden_states_image)
 
@@ -416,7 +491,10 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
 
     _no_split_modules = ["WanCausalTransformerBlock"]
     _repeated_blocks = ["WanCausalTransformerBlock"]
-    _cp_plan = None  # the causal forward builds its own RoPE; context parallelism needs a causal plan
+    # Context parallelism (Ulysses) is handled by the causal forward and processors, not by diffusers' hooks: the hooks
+    # cut the flattened sequence into contiguous runs, which would split latent frames (per-frame modulation, frame-
+    # ordered cache) across ranks. The model splits every frame instead; see fastgen_diffusers.parallel.
+    _cp_plan = {}
 
     @register_to_config
     def __init__(

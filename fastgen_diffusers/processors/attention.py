@@ -18,6 +18,7 @@ from diffusers.utils import logging
 
 from ..context import CausalContext
 from ..kv_cache import CrossKVMode
+from ..parallel import context_parallel_config, heads_to_sequence, sequence_to_heads
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 
@@ -78,6 +79,11 @@ class WanCausalAttnProcessor:
 
     Inside a call that spans several chunks the attention is block-causal; with ``store_kv`` the call's K/V
     (after ``norm_k`` and RoPE) are appended to the cache.
+
+    Under Ulysses context parallelism (``_parallel_config`` set by ``enable_parallelism``) ``hidden_states`` holds this
+    rank's tokens of every frame: after the q/k/v projections and norms one all-to-all each turns them into the whole
+    call for this rank's heads, so RoPE, the rank's cache (the prefix of its heads) and the attention are the
+    single-process ones; one more all-to-all returns the output (see :mod:`fastgen_diffusers.parallel`).
     """
 
     _attention_backend = None
@@ -101,6 +107,9 @@ class WanCausalAttnProcessor:
         query = rms_norm_fp32(attn.norm_q, query).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
         key = rms_norm_fp32(attn.norm_k, key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
+        cp_config = context_parallel_config(self)
+        if cp_config is not None:  # (B, F*S/P, H, D) -> (B, F*S, H/P, D): the whole call for this rank's heads
+            query, key, value = (sequence_to_heads(t, ctx.num_frames, cp_config) for t in (query, key, value))
         query = apply_rotary_emb(query, rotary_emb)
         key = apply_rotary_emb(key, rotary_emb)
 
@@ -109,17 +118,13 @@ class WanCausalAttnProcessor:
         )
         mask = ctx.self_attention_mask(engine, query.device)
         if mask is None:
-            hidden_states = dispatch_attention_fn(
-                query,
-                full_key,
-                full_value,
-                backend=self._attention_backend,
-                parallel_config=self._parallel_config,
-            )
+            hidden_states = dispatch_attention_fn(query, full_key, full_value, backend=self._attention_backend)
         else:
             hidden_states = masked_attention(query, full_key, full_value, mask)
         if ctx.store_kv:
             engine.append_self_kv(block_idx, ctx.cache_tag, key.detach(), value.detach(), ctx.start_frame)
+        if cp_config is not None:
+            hidden_states = heads_to_sequence(hidden_states, ctx.num_frames, cp_config)
 
         hidden_states = hidden_states.flatten(2, 3).type_as(query)
         hidden_states = attn.to_out[0](hidden_states)
@@ -131,6 +136,9 @@ class WanCausalCrossAttnProcessor:
 
     The context is ``[image tokens | text tokens]``; the split comes from the real image token count carried by the
     context (never from a hard-coded text length). In :attr:`CrossKVMode.READ` the K/V projections do not run.
+
+    Under context parallelism the rank's query tokens attend to the whole context with every head, with no exchange
+    (as diffusers' ``WanAttnProcessor``): every rank computes and caches the same cross K/V.
     """
 
     _attention_backend = None

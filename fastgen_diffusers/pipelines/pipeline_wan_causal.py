@@ -1,0 +1,519 @@
+# Copyright 2025 The fastgen-diffusers authors, the Wan Team and The HuggingFace Team. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""``WanCausalPipeline``: text-to-video with a causal (chunk-by-chunk, KV-cached) Wan student."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from accelerate import init_empty_weights
+from diffusers import AutoencoderKLWan, DiffusionPipeline, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.loaders import WanLoraLoaderMixin
+from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
+from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+from diffusers.utils import logging, replace_example_docstring
+from diffusers.video_processor import VideoProcessor
+from transformers import AutoTokenizer, UMT5EncoderModel
+
+from ..models import WanCausalTransformer3DModel
+from .rollout import CausalRolloutMixin
+
+logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
+
+OUTPUT_TYPES = ("np", "pil", "pt", "latent")
+CAUSAL_SHIFT = 5.0
+HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision")
+CAUSAL_CONFIG_KEYS = ("chunk_size", "independent_first_frame")
+
+EXAMPLE_DOC_STRING = """
+    Examples:
+        ```python
+        >>> import torch
+        >>> from diffusers.utils import export_to_video
+        >>> from fastgen_diffusers import WanCausalPipeline
+
+        >>> # Any diffusers-format Wan2.1 T2V directory or Hub repo holding a causal student's transformer weights
+        >>> # (Self-Forcing, CausVid, ...); the transformer loads as a causal model with the same weights.
+        >>> pipe = WanCausalPipeline.from_pretrained("path/to/self-forcing-diffusers", dtype=torch.bfloat16)
+        >>> pipe.to("cuda")
+
+        >>> video = pipe(
+        ...     "a red fox runs through fresh snow",
+        ...     height=480,
+        ...     width=832,
+        ...     num_frames=81,
+        ...     generator=torch.Generator().manual_seed(0),
+        ... ).frames[0]
+        >>> export_to_video(video, "fox.mp4", fps=16)
+        ```
+"""
+
+
+def _model_config(transformer: WanTransformer3DModel, drop: Sequence[str] = ()) -> dict[str, Any]:
+    return {key: value for key, value in transformer.config.items() if not key.startswith("_") and key not in drop}
+
+
+def _share_weights(source: WanTransformer3DModel, target_cls: type, config: dict[str, Any]) -> WanTransformer3DModel:
+    """A ``target_cls`` model built on ``config`` whose parameters are ``source``'s tensors (no copy)."""
+    with init_empty_weights():
+        target = target_cls.from_config(config)
+    target.load_state_dict(source.state_dict(), strict=True, assign=True)
+    return target.train(source.training)
+
+
+def causal_transformer_from_wan(transformer: WanTransformer3DModel, **causal_config) -> WanCausalTransformer3DModel:
+    """A [`WanCausalTransformer3DModel`] sharing the parameters of a plain ``WanTransformer3DModel`` (no copy).
+
+    ``causal_config`` sets ``chunk_size`` / ``independent_first_frame`` (defaults 3 / False).
+    """
+    return _share_weights(transformer, WanCausalTransformer3DModel, {**_model_config(transformer), **causal_config})
+
+
+def wan_transformer_from_causal(transformer: WanCausalTransformer3DModel) -> WanTransformer3DModel:
+    """A plain (bidirectional) ``WanTransformer3DModel`` sharing the parameters of a causal one (no copy)."""
+    return _share_weights(transformer, WanTransformer3DModel, _model_config(transformer, drop=CAUSAL_CONFIG_KEYS))
+
+
+def causal_scheduler_from_config(config: dict[str, Any]) -> FlowMatchEulerDiscreteScheduler:
+    """The students' few-step sampler from a saved scheduler config.
+
+    A `FlowMatchEulerDiscreteScheduler` config that already has ``stochastic_sampling`` is kept as it is (a causal
+    pipeline saved it); any other (Wan's `UniPCMultistepScheduler`, a deterministic Euler) becomes
+    ``FlowMatchEulerDiscreteScheduler(shift=5.0, stochastic_sampling=True)``.
+    """
+    if config.get("_class_name") == FlowMatchEulerDiscreteScheduler.__name__:
+        if config.get("stochastic_sampling"):
+            return FlowMatchEulerDiscreteScheduler.from_config(config)
+        return FlowMatchEulerDiscreteScheduler.from_config(config, shift=CAUSAL_SHIFT, stochastic_sampling=True)
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=config.get("num_train_timesteps", 1000), shift=CAUSAL_SHIFT, stochastic_sampling=True
+    )
+
+
+class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixin):
+    r"""
+    Text-to-video generation with a causal Wan student (Self-Forcing, CausVid, ...): the video is generated chunk by
+    chunk of latent frames, each chunk attending to the KV cache of the chunks before it.
+
+    This model inherits from [`DiffusionPipeline`]. Check the superclass documentation for the generic methods
+    implemented for all pipelines (downloading, saving, running on a particular device, etc.). The chunk loop is
+    [`CausalRolloutMixin.rollout`], shared with the image-to-video and VACE pipelines.
+
+    Args:
+        tokenizer ([`T5Tokenizer`], *optional*):
+            Tokenizer of [google/umt5-xxl](https://huggingface.co/google/umt5-xxl).
+        text_encoder ([`UMT5EncoderModel`], *optional*):
+            UMT5 encoder; may be `None` when every call passes `prompt_embeds` (and `negative_prompt_embeds` for
+            CFG).
+        vae ([`AutoencoderKLWan`]):
+            Variational Auto-Encoder (VAE) Model to encode and decode videos to and from latent representations.
+        scheduler ([`FlowMatchEulerDiscreteScheduler`]):
+            The few-step sampler, `FlowMatchEulerDiscreteScheduler(shift=5.0, stochastic_sampling=True)`: predict x0,
+            then re-noise with fresh noise.
+        transformer ([`WanCausalTransformer3DModel`]):
+            The causal transformer. A plain `WanTransformer3DModel` is converted (weights shared) by
+            [`~WanCausalPipeline.from_pretrained`] and [`~WanCausalPipeline.from_pipe`].
+    """
+
+    model_cpu_offload_seq = "text_encoder->transformer->vae"
+    _optional_components = ["tokenizer", "text_encoder"]
+    _resumable_rollouts = True
+
+    def __init__(
+        self,
+        tokenizer: AutoTokenizer | None,
+        text_encoder: UMT5EncoderModel | None,
+        vae: AutoencoderKLWan,
+        scheduler: FlowMatchEulerDiscreteScheduler,
+        transformer: WanCausalTransformer3DModel,
+    ):
+        super().__init__()
+        if not isinstance(transformer, WanCausalTransformer3DModel):
+            raise ValueError(
+                f"`transformer` must be a WanCausalTransformer3DModel, got {type(transformer).__name__}. Convert a "
+                "plain Wan transformer with `causal_transformer_from_wan(transformer)` (weights are shared), or load "
+                "with `WanCausalPipeline.from_pretrained` / `WanCausalPipeline.from_pipe`, which convert it."
+            )
+        self.register_modules(
+            vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, scheduler=scheduler
+        )
+        self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal if getattr(self, "vae", None) else 4
+        self.vae_scale_factor_spatial = self.vae.config.scale_factor_spatial if getattr(self, "vae", None) else 8
+        self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs) -> WanCausalPipeline:
+        r"""Load a causal pipeline from a diffusers Wan directory or Hub repo (the layout `WanPipeline` saves).
+
+        Unless given as `transformer=`, the `transformer` subfolder loads as a [`WanCausalTransformer3DModel`]
+        (bit-identical weights; a saved causal config keeps its `chunk_size`). Unless given as `scheduler=`, the
+        scheduler is built by [`causal_scheduler_from_config`] from the saved one. Every other argument is
+        [`DiffusionPipeline.from_pretrained`]'s.
+        """
+        hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
+        if "transformer" not in kwargs:
+            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))  # diffusers 0.42 renamed `torch_dtype`
+            if isinstance(dtype, dict):
+                dtype = dtype.get("transformer", dtype.get("default"))
+            model_kwargs = {key: kwargs[key] for key in ("variant", "use_safetensors") if key in kwargs}
+            kwargs["transformer"] = WanCausalTransformer3DModel.from_pretrained(
+                pretrained_model_name_or_path, subfolder="transformer", dtype=dtype, **model_kwargs, **hub_kwargs
+            )
+        if "scheduler" not in kwargs:
+            config = FlowMatchEulerDiscreteScheduler.load_config(
+                pretrained_model_name_or_path, subfolder="scheduler", **hub_kwargs
+            )
+            kwargs["scheduler"] = causal_scheduler_from_config(config)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
+    def from_pipe(cls, pipeline: DiffusionPipeline, **kwargs) -> WanCausalPipeline:
+        r"""Build from another pipeline's components, e.g. a `WanPipeline` (no extra memory).
+
+        A plain `WanTransformer3DModel` becomes a [`WanCausalTransformer3DModel`] sharing its parameters, and a
+        scheduler without `stochastic_sampling` is replaced by the causal one (see
+        [`causal_scheduler_from_config`]). The way back: `WanPipeline.from_pipe(pipe,
+        transformer=wan_transformer_from_causal(pipe.transformer))`.
+        """
+        transformer = getattr(pipeline, "transformer", None)
+        if "transformer" not in kwargs and type(transformer) is WanTransformer3DModel:
+            kwargs["transformer"] = causal_transformer_from_wan(transformer)
+        scheduler = getattr(pipeline, "scheduler", None)
+        if "scheduler" not in kwargs and scheduler is not None:
+            kwargs["scheduler"] = causal_scheduler_from_config(dict(scheduler.config))
+        return super().from_pipe(pipeline, **kwargs)
+
+    # ------------------------------------------------------------------ prompts and latents (diffusers' Wan code)
+    _get_t5_prompt_embeds = WanPipeline._get_t5_prompt_embeds  # ftfy-guarded prompt cleaning, re-zeroed padding
+    encode_prompt = WanPipeline.encode_prompt
+    prepare_latents = WanPipeline.prepare_latents
+
+    def check_inputs(
+        self,
+        prompt: str | list[str] | None,
+        negative_prompt: str | list[str] | None,
+        height: int,
+        width: int,
+        num_frames: int,
+        num_inference_steps: int,
+        timesteps: Sequence[float] | None,
+        sigmas: Sequence[float] | None,
+        guidance_scale: float,
+        chunk_size: int | None,
+        context_noise: float,
+        generator: torch.Generator | list[torch.Generator] | None,
+        latents: torch.Tensor | None,
+        prompt_embeds: torch.Tensor | None,
+        negative_prompt_embeds: torch.Tensor | None,
+        output_type: str,
+        callback_on_step_end_tensor_inputs: Sequence[str] | None,
+        max_sequence_length: int,
+    ) -> None:
+        """Raise ``ValueError`` naming the argument and the accepted values; runs before any model work."""
+        multiple = self.vae_scale_factor_spatial * self.transformer.config.patch_size[1]
+        if height % multiple != 0 or width % multiple != 0 or height <= 0 or width <= 0:
+            raise ValueError(
+                f"`height` and `width` must be positive multiples of {multiple}, got {height} and {width}."
+            )
+        temporal = self.vae_scale_factor_temporal
+        if not isinstance(num_frames, int) or num_frames < 1 or num_frames % temporal != 1:
+            raise ValueError(
+                f"`num_frames` must be of the form {temporal}k+1 (1, {temporal + 1}, {2 * temporal + 1}, ..., 81), "
+                f"got {num_frames!r}."
+            )
+        num_latent_frames = (num_frames - 1) // temporal + 1
+        self.check_rollout_inputs(num_latent_frames, chunk_size, num_inference_steps, timesteps, sigmas, context_noise)
+
+        if prompt is not None and prompt_embeds is not None:
+            raise ValueError("Pass either `prompt` or `prompt_embeds`, not both.")
+        if prompt is None and prompt_embeds is None:
+            raise ValueError("Pass one of `prompt` (a string or a list of strings) or `prompt_embeds`.")
+        if prompt is not None and not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
+            raise ValueError(f"`prompt` must be a string or a non-empty list of strings, got {type(prompt).__name__}.")
+        if negative_prompt is not None and negative_prompt_embeds is not None:
+            raise ValueError("Pass either `negative_prompt` or `negative_prompt_embeds`, not both.")
+        if negative_prompt is not None and not isinstance(negative_prompt, (str, list)):
+            raise ValueError(f"`negative_prompt` must be a string or a list of strings, got {type(negative_prompt)}.")
+        if prompt is not None and (self.text_encoder is None or self.tokenizer is None):
+            raise ValueError(
+                "`prompt` needs a `text_encoder` and a `tokenizer`; this pipeline has none: pass "
+                "`prompt_embeds` instead."
+            )
+
+        batch_size = 1 if isinstance(prompt, str) else len(prompt) if prompt is not None else prompt_embeds.shape[0]
+        text_dim = self.transformer.config.text_dim
+        for name, embeds in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
+            if embeds is None:
+                continue
+            if not isinstance(embeds, torch.Tensor) or embeds.ndim != 3 or embeds.shape[-1] != text_dim:
+                shape = tuple(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+                raise ValueError(
+                    f"`{name}` must be a (batch, tokens, {text_dim}) tensor (the transformer's "
+                    f"`text_dim`), got {shape}."
+                )
+            if embeds.shape[0] != batch_size:
+                raise ValueError(f"`{name}` has batch {embeds.shape[0]}, but the prompt batch is {batch_size}.")
+
+        if guidance_scale > 1.0 and negative_prompt_embeds is None:
+            if self.text_encoder is None or self.tokenizer is None:
+                raise ValueError(
+                    f"`guidance_scale={guidance_scale}` (> 1, classifier-free guidance) needs a negative prompt: pass "
+                    "`negative_prompt_embeds` (this pipeline has no text encoder), or use `guidance_scale=1.0`."
+                )
+            if isinstance(negative_prompt, list) and len(negative_prompt) != batch_size:
+                raise ValueError(
+                    f"`negative_prompt` has {len(negative_prompt)} entries but the prompt batch is {batch_size}: pass "
+                    f"one negative prompt, or a list of {batch_size}."
+                )
+            if negative_prompt is not None and type(negative_prompt) is not type(prompt) and prompt is not None:
+                raise ValueError("`negative_prompt` must be of the same type as `prompt` (both str or both lists).")
+
+        if isinstance(generator, list) and len(generator) != batch_size:
+            raise ValueError(
+                f"`generator` is a list of {len(generator)} generators, but the batch is {batch_size}: pass one "
+                f"generator or a list of {batch_size}."
+            )
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
+        if callback_on_step_end_tensor_inputs is not None:
+            unknown = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
+            if unknown:
+                raise ValueError(
+                    f"`callback_on_step_end_tensor_inputs` must be in {self._callback_tensor_inputs}, got {unknown}."
+                )
+        if latents is not None:
+            expected = (
+                batch_size,
+                self.transformer.config.out_channels,
+                num_latent_frames,
+                height // self.vae_scale_factor_spatial,
+                width // self.vae_scale_factor_spatial,
+            )
+            if tuple(latents.shape) != expected:
+                raise ValueError(f"`latents` must have shape {expected} (B, C, F, H, W), got {tuple(latents.shape)}.")
+        if not isinstance(max_sequence_length, int) or max_sequence_length < 1:
+            raise ValueError(f"`max_sequence_length` must be a positive integer, got {max_sequence_length!r}.")
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    @replace_example_docstring(EXAMPLE_DOC_STRING)
+    def __call__(
+        self,
+        prompt: str | list[str] | dict[int, str | list[str]] | None = None,
+        negative_prompt: str | list[str] | None = None,
+        height: int = 480,
+        width: int = 832,
+        num_frames: int = 81,
+        num_inference_steps: int = 4,
+        timesteps: Sequence[float] | None = None,
+        sigmas: Sequence[float] | None = None,
+        guidance_scale: float = 1.0,
+        chunk_size: int | None = None,
+        context_noise: float = 0.0,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | dict[int, torch.Tensor] | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        output_type: str = "np",
+        return_dict: bool = True,
+        attention_kwargs: dict[str, Any] | None = None,
+        callback_on_step_end: Callable[..., dict[str, torch.Tensor]]
+        | PipelineCallback
+        | MultiPipelineCallbacks
+        | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' signature)
+        max_sequence_length: int = 512,
+        keep_cache: bool = False,
+        recache: bool = False,
+    ) -> WanPipelineOutput | tuple:
+        r"""
+        The call function to the pipeline for generation.
+
+        Args:
+            prompt (`str`, `list[str]` or `dict`, *optional*):
+                The prompt or prompts to guide the video generation. If not defined, pass `prompt_embeds` instead. A
+                dict `{pixel_frame: prompt}` (keys include 0, e.g. `{0: "a cat", 48: "a dog"}`) switches prompts
+                mid-video: each prompt takes effect at the first chunk starting at or after its frame (latent frame
+                `s >= 1` starts at pixel frame `4s - 3`; 81 frames in chunks of 3 start at 0, 9, 21, 33, ...). The
+                chunks before a switch are unchanged by it.
+            negative_prompt (`str` or `list[str]`, *optional*):
+                The prompt or prompts to avoid, used only when `guidance_scale > 1` (defaults to `""` then).
+            height (`int`, defaults to `480`):
+                Height in pixels of the generated video, a multiple of 16.
+            width (`int`, defaults to `832`):
+                Width in pixels of the generated video, a multiple of 16.
+            num_frames (`int`, defaults to `81`):
+                Number of pixel frames, of the form 4k+1 (81 frames are 21 latent frames: 7 chunks of 3).
+            num_inference_steps (`int`, defaults to `4`):
+                Denoising steps per chunk. The default schedule is the sigmas `[1, (N-1)/N, ..., 1/N]` shifted by the
+                scheduler's shift: timesteps 1000, 937.5, 833.3, 625 for 4 steps at shift 5 (Self-Forcing's).
+            timesteps (`list[float]`, *optional*):
+                Model-scale timesteps in [0, 1000], strictly decreasing, used as given (e.g. `[1000, 937.5, 833.3,
+                625]`); overrides `num_inference_steps`.
+            sigmas (`list[float]`, *optional*):
+                Sigmas in [0, 1], strictly decreasing, shifted by the scheduler; overrides `num_inference_steps`.
+            guidance_scale (`float`, defaults to `1.0`):
+                Classifier-free guidance weight. Students are distilled with guidance baked in, so 1.0 (no CFG, one
+                forward per step) is the default; above 1 the unconditional branch runs with its own KV cache.
+            chunk_size (`int`, *optional*):
+                Latent frames per chunk; defaults to the transformer's `chunk_size` (the one it was trained with).
+            context_noise (`float`, defaults to `0.0`):
+                Timestep of the pass that writes each finished chunk into the KV cache; above 0 the clean chunk is
+                re-noised to it first.
+            generator (`torch.Generator` or `list[torch.Generator]`, *optional*):
+                RNG(s) for the initial noise, the scheduler's re-noising and the context noise.
+            latents (`torch.Tensor`, *optional*):
+                Initial noise `(B, 16, (num_frames - 1) // 4 + 1, height // 8, width // 8)`; chunk `[s, e)` starts
+                from `latents[:, :, s:e]`.
+            prompt_embeds (`torch.Tensor` or `dict`, *optional*):
+                Pre-generated text embeddings `(B, L, text_dim)`, or a dict `{pixel_frame: embeddings}` like `prompt`.
+            negative_prompt_embeds (`torch.Tensor`, *optional*):
+                Pre-generated negative text embeddings `(B, L, text_dim)`.
+            output_type (`str`, *optional*, defaults to `"np"`):
+                `"np"` (`(B, F, H, W, 3)` floats in [0, 1]), `"pil"`, `"pt"` (`(B, F, 3, H, W)`) or `"latent"`.
+            return_dict (`bool`, *optional*, defaults to `True`):
+                Whether to return a [`~pipelines.wan.pipeline_output.WanPipelineOutput`] instead of a tuple.
+            attention_kwargs (`dict`, *optional*):
+                Passed to the transformer; `scale` sets the LoRA scale.
+            callback_on_step_end (`Callable`, `PipelineCallback`, `MultiPipelineCallbacks`, *optional*):
+                Called after every denoising step of every chunk as `callback_on_step_end(self, step, timestep,
+                callback_kwargs)`; `step` counts over chunks x steps and `callback_kwargs["latents"]` is the current
+                chunk `(B, C, F_chunk, H, W)`. Set `pipe._interrupt = True` in it to stop the rollout.
+            callback_on_step_end_tensor_inputs (`list`, *optional*):
+                Tensors given to `callback_on_step_end`, from `["latents", "prompt_embeds",
+                "negative_prompt_embeds"]`.
+            max_sequence_length (`int`, defaults to `512`):
+                Text tokens of the prompt encoding (padded or truncated to it).
+            keep_cache (`bool`, defaults to `False`):
+                Keep the KV caches and the chunks after the call as the kept rollout `"main"`, to go on with
+                [`~LiveRolloutMixin.continue_rollout`], [`~LiveRolloutMixin.redo_last_chunk`] or
+                [`~LiveRolloutMixin.fork_rollout`]; by default they are freed.
+            recache (`bool`, defaults to `False`):
+                At each prompt switch, recompute the self K/V of the chunks before it under the new prompt
+                (LongLive's recache) instead of only switching the cross-attention. Costs one transformer forward per
+                earlier chunk at every switch (a 4-step chunk costs 4 forwards plus its cache pass).
+
+        Examples:
+
+        Returns:
+            [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`: the generated frames (`frames`), or
+            `(frames,)` when `return_dict` is `False`. An interrupted rollout returns the finished chunks; the
+            latent frames of unfinished chunks are left at their initial noise.
+        """
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+
+        # 1. Check inputs. Raise error if not correct
+        prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(prompt, prompt_embeds)
+        self.check_inputs(
+            prompt,
+            negative_prompt,
+            height,
+            width,
+            num_frames,
+            num_inference_steps,
+            timesteps,
+            sigmas,
+            guidance_scale,
+            chunk_size,
+            context_noise,
+            generator,
+            latents,
+            prompt_embeds,
+            negative_prompt_embeds,
+            output_type,
+            callback_on_step_end_tensor_inputs,
+            max_sequence_length,
+        )
+        self._guidance_scale = guidance_scale
+        self._attention_kwargs = attention_kwargs
+        self._current_timestep = None
+        self._interrupt = False
+
+        # 2. Define call parameters
+        device = self._execution_device
+        if isinstance(prompt, str):
+            batch_size = 1
+        elif prompt is not None:
+            batch_size = len(prompt)
+        else:
+            batch_size = prompt_embeds.shape[0]
+
+        # 3. Encode input prompt
+        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            do_classifier_free_guidance=self.do_classifier_free_guidance,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            max_sequence_length=max_sequence_length,
+            device=device,
+        )
+        transformer_dtype = self.transformer.dtype
+        prompt_embeds = prompt_embeds.to(device, transformer_dtype)
+        if negative_prompt_embeds is not None:
+            negative_prompt_embeds = negative_prompt_embeds.to(device, transformer_dtype)
+        prompt_switches = self.encode_prompt_switches(prompt_schedule, prompt_embeds, max_sequence_length, device)
+
+        # 4. Prepare timesteps (set on the scheduler again at every chunk)
+        schedule = self.rollout_schedule(num_inference_steps, timesteps, sigmas)
+
+        # 5. Prepare latent variables
+        latents = self.prepare_latents(
+            batch_size,
+            self.transformer.config.out_channels,
+            height,
+            width,
+            num_frames,
+            torch.float32,
+            device,
+            generator,
+            latents,
+        )
+        chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
+
+        # 6. Denoising loop: the causal rollout, chunk by chunk
+        video_latents = latents.clone()
+        for chunk in self.rollout(
+            latents,
+            prompt_embeds,
+            negative_prompt_embeds,
+            chunk_bounds=chunk_bounds,
+            schedule=schedule,
+            guidance_scale=guidance_scale,
+            context_noise=context_noise,
+            generator=generator,
+            attention_kwargs=attention_kwargs,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            keep_cache=keep_cache,
+            prompt_switches=self.prompt_switch_chunks(prompt_switches, chunk_bounds),
+            recache=recache,
+        ):
+            video_latents[:, :, chunk.start : chunk.end] = chunk.latents
+
+        # 7. Decode
+        video = self.decode_latents(video_latents, output_type)
+
+        # Offload all models
+        self.maybe_free_model_hooks()
+
+        if not return_dict:
+            return (video,)
+        return WanPipelineOutput(frames=video)

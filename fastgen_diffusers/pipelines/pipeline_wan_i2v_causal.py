@@ -1,0 +1,616 @@
+# Copyright 2025 The fastgen-diffusers authors, the Wan Team and The HuggingFace Team. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""``WanCausalImageToVideoPipeline``: image-to-video (and clip extension) with a causal Wan model.
+
+One pipeline serves the three ways a causal Wan model takes an image; :func:`detect_i2v_layout` reads which one a
+checkpoint has from its config and components:
+
+* ``"wan2.1-i2v"`` (Wan2.1 I2V 480P/720P, Wan2.2 I2V layout): ``in_channels = 2 * z_dim + 4``. Every forward of chunk
+  ``[s, e)`` gets the 20 condition channels ``[mask(4) | VAE latent of [image, zeros...](16)][:, :, s:e]`` concatenated
+  to its latents and, when the transformer has ``image_dim``, the CLIP image tokens, whose K/V are cached beside the
+  text K/V.
+* ``"ti2v"`` (Wan2.2 TI2V-5B, ``expand_timesteps=True``): latent frame 0 of chunk 0 is the clean image latent at
+  timestep 0 (per-frame timesteps), and stays clean.
+* ``"t2v-student"`` (Self-Forcing / CausVid style T2V students): the image, or a clip being extended, is VAE-encoded
+  and written into the KV cache at the context timestep (0) as given chunks before the generated ones; with
+  ``independent_first_frame`` the image is its own chunk (``[1, c, c, ...]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
+from diffusers.utils import logging, replace_example_docstring
+from diffusers.utils.torch_utils import get_module_execution_device
+from transformers import AutoTokenizer, CLIPVisionModel, UMT5EncoderModel
+from transformers.image_processing_utils import BaseImageProcessor
+
+from ..models import WanCausalTransformer3DModel
+from .pipeline_wan_causal import WanCausalPipeline
+
+logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
+
+WAN21_I2V = "wan2.1-i2v"
+TI2V = "ti2v"
+T2V_STUDENT = "t2v-student"
+I2V_LAYOUTS = (WAN21_I2V, TI2V, T2V_STUDENT)
+
+EXAMPLE_DOC_STRING = """
+    Examples:
+        ```python
+        >>> import torch
+        >>> from diffusers.utils import export_to_video, load_image
+        >>> from fastgen_diffusers import WanCausalImageToVideoPipeline
+
+        >>> # A T2V student (Self-Forcing / CausVid) with a [1, 3, 3, ...] chunk layout: the image is written into the
+        >>> # KV cache as the first chunk; Wan2.1 I2V and Wan2.2 TI2V-5B checkpoints load the same way.
+        >>> pipe = WanCausalImageToVideoPipeline.from_pretrained(
+        ...     "path/to/self-forcing-diffusers", torch_dtype=torch.bfloat16, independent_first_frame=True
+        ... )
+        >>> pipe.to("cuda")
+        >>> image = load_image("first_frame.png").resize((832, 480))
+        >>> video = pipe(image=image, prompt="a red fox runs through fresh snow", num_frames=85).frames[0]
+        >>> export_to_video(video, "fox.mp4", fps=16)
+        ```
+"""
+
+ImageInput = PIL.Image.Image | np.ndarray | torch.Tensor | list[PIL.Image.Image]
+
+
+def detect_i2v_layout(transformer_config, vae_config, expand_timesteps: bool) -> str:
+    """How a causal Wan model takes an image: one of ``I2V_LAYOUTS`` (see the module docstring).
+
+    Args:
+        transformer_config: the transformer's config (``in_channels``, ``out_channels``, ``image_dim``).
+        vae_config: the VAE's config (``z_dim``, ``scale_factor_temporal``).
+        expand_timesteps: the pipeline's ``expand_timesteps`` (Wan2.2 TI2V-5B).
+    """
+    in_channels, out_channels = transformer_config.in_channels, transformer_config.out_channels
+    z_dim = vae_config.z_dim
+    concat_channels = out_channels + vae_config.scale_factor_temporal + z_dim
+    if out_channels != z_dim:
+        raise ValueError(
+            f"The transformer predicts {out_channels} channels but the VAE has z_dim={z_dim}: they must match."
+        )
+    if in_channels == concat_channels:
+        if expand_timesteps:
+            raise ValueError(
+                f"`expand_timesteps=True` (Wan2.2 TI2V) does not apply to a {in_channels}-channel Wan2.1 I2V "
+                "transformer; set `expand_timesteps=False`."
+            )
+        return WAN21_I2V
+    if in_channels == out_channels and transformer_config.image_dim is None:
+        return TI2V if expand_timesteps else T2V_STUDENT
+    raise ValueError(
+        f"This transformer (in_channels={in_channels}, out_channels={out_channels}, "
+        f"image_dim={transformer_config.image_dim}) cannot take an image: accepted are in_channels={concat_channels} "
+        f"(Wan2.1 I2V, mask and image latent concatenated) or in_channels={out_channels} without image_dim (Wan2.2 "
+        "TI2V with `expand_timesteps=True`, or a T2V student)."
+    )
+
+
+class WanCausalImageToVideoPipeline(WanCausalPipeline):
+    r"""
+    Image-to-video generation (and, for T2V students, clip extension) with a causal Wan model: the video is generated
+    chunk by chunk of latent frames on a KV cache, conditioned on an image as the checkpoint's layout prescribes
+    (see [`detect_i2v_layout`] and [`~WanCausalImageToVideoPipeline.i2v_layout`]).
+
+    This model inherits from [`WanCausalPipeline`] (prompt encoding, loading, decoding, the shared chunk rollout) and
+    conditions the chunks through the rollout's hooks.
+
+    Args:
+        tokenizer ([`T5Tokenizer`], *optional*):
+            Tokenizer of [google/umt5-xxl](https://huggingface.co/google/umt5-xxl).
+        text_encoder ([`UMT5EncoderModel`], *optional*):
+            UMT5 encoder; may be `None` when every call passes `prompt_embeds`.
+        vae ([`AutoencoderKLWan`]):
+            The Wan VAE (Wan2.1: z_dim 16; Wan2.2 TI2V-5B: z_dim 48, 16x spatial compression).
+        scheduler ([`FlowMatchEulerDiscreteScheduler`]):
+            The few-step sampler, `FlowMatchEulerDiscreteScheduler(shift=5.0, stochastic_sampling=True)`.
+        transformer ([`WanCausalTransformer3DModel`]):
+            The causal transformer.
+        image_processor ([`CLIPImageProcessor`], *optional*):
+            CLIP preprocessing; only for Wan2.1 I2V transformers with `image_dim`.
+        image_encoder ([`CLIPVisionModel`], *optional*):
+            CLIP ViT-H/14 image encoder (its penultimate hidden states); only for Wan2.1 I2V transformers with
+            `image_dim`.
+        expand_timesteps (`bool`, defaults to `False`):
+            Wan2.2 TI2V-5B: the first latent frame is the clean image latent at timestep 0 inside chunk 0.
+    """
+
+    model_cpu_offload_seq = "text_encoder->image_encoder->transformer->vae"
+    _optional_components = ["tokenizer", "text_encoder", "image_processor", "image_encoder"]
+
+    def __init__(
+        self,
+        tokenizer: AutoTokenizer | None,
+        text_encoder: UMT5EncoderModel | None,
+        vae: AutoencoderKLWan,
+        scheduler: FlowMatchEulerDiscreteScheduler,
+        transformer: WanCausalTransformer3DModel,
+        image_processor: BaseImageProcessor | None = None,  # CLIPImageProcessor; that name warns without torchvision
+        image_encoder: CLIPVisionModel | None = None,
+        expand_timesteps: bool = False,
+    ):
+        super().__init__(tokenizer, text_encoder, vae, scheduler, transformer)
+        self.register_modules(image_processor=image_processor, image_encoder=image_encoder)
+        self.register_to_config(expand_timesteps=expand_timesteps)
+        self._i2v_inputs: dict[str, Any] = {}
+
+    @property
+    def i2v_layout(self) -> str:
+        """``"wan2.1-i2v"``, ``"ti2v"`` or ``"t2v-student"``: how this pipeline's transformer takes an image."""
+        return detect_i2v_layout(self.transformer.config, self.vae.config, self.config.expand_timesteps)
+
+    @property
+    def uses_image_tokens(self) -> bool:
+        """Whether the transformer takes CLIP image tokens (`encoder_hidden_states_image`, Wan2.1 I2V)."""
+        return self.transformer.config.image_dim is not None
+
+    # ------------------------------------------------------------------ conditioning
+    def encode_image(self, pixels: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+        """CLIP image tokens ``(B, L_img, image_dim)`` (penultimate hidden states) of ``(B, 3, H, W)`` pixels in
+        [-1, 1]; ``L_img`` is 257 for CLIP ViT-H/14."""
+        device = device or self._execution_device
+        inputs = self.image_processor(images=(pixels.float() + 1.0) / 2.0, do_rescale=False, return_tensors="pt")
+        inputs = inputs.to(get_module_execution_device(self.image_encoder))
+        hidden_states = self.image_encoder(**inputs, output_hidden_states=True).hidden_states[-2]
+        return hidden_states.to(device)
+
+    def encode_video_latents(self, video: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Normalized latents ``(B, z_dim, (F - 1) // 4 + 1, H / s, W / s)`` of ``(B, 3, F, H, W)`` pixels in [-1, 1]
+        (the VAE's mode, as diffusers' image-to-video pipelines encode conditions)."""
+        vae = self.vae
+        video = video.to(get_module_execution_device(vae), dtype=vae.dtype)
+        latents = vae.encode(video).latent_dist.mode().to(device, torch.float32)
+        latents_mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        latents_std = torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        return (latents - latents_mean) / latents_std
+
+    def prepare_image_condition(self, pixels: torch.Tensor, num_frames: int, device: torch.device) -> torch.Tensor:
+        """Wan2.1 I2V condition ``(B, 4 + z_dim, F', h, w)``: the first-frame mask (4 temporal sub-channels, ones on
+        latent frame 0 only) and the latent of ``[image, zeros x (num_frames - 1)]`` from ``(B, 3, H, W)`` pixels."""
+        batch_size, _, height, width = pixels.shape
+        video = torch.cat([pixels[:, :, None], pixels.new_zeros(batch_size, 3, num_frames - 1, height, width)], dim=2)
+        latent = self.encode_video_latents(video, device)
+        mask = torch.zeros(
+            batch_size, self.vae_scale_factor_temporal, *latent.shape[2:], device=device, dtype=latent.dtype
+        )
+        mask[:, :, 0] = 1.0
+        return torch.cat([mask, latent], dim=1)
+
+    def _preprocess_image(self, image: ImageInput, height: int, width: int, batch_size: int) -> torch.Tensor:
+        """``(batch_size, 3, height, width)`` pixels in [-1, 1] from one image or one per video."""
+        pixels = self.video_processor.preprocess(image, height=height, width=width)
+        if pixels.shape[0] == 1:
+            pixels = pixels.expand(batch_size, -1, -1, -1)
+        return pixels
+
+    # ------------------------------------------------------------------ rollout hooks
+    def prepare_chunk_inputs(
+        self,
+        chunk_index: int,
+        start: int,
+        end: int,
+        latents_chunk: torch.Tensor,
+        *,
+        cache_tag: str,
+        store_kv: bool,
+    ) -> dict[str, Any]:
+        """Wan2.1 I2V: the chunk's 20 condition channels and the CLIP tokens; TI2V: the clean first frame."""
+        inputs = self._i2v_inputs
+        if inputs.get("layout") == WAN21_I2V:
+            kwargs = {"hidden_states": torch.cat([latents_chunk, inputs["condition"][:, :, start:end]], dim=1)}
+            if inputs["image_embeds"] is not None:
+                kwargs["encoder_hidden_states_image"] = inputs["image_embeds"]
+            return kwargs
+        if inputs.get("layout") == TI2V and start == 0:
+            hidden_states = latents_chunk.clone()
+            hidden_states[:, :, :1] = inputs["context_latents"]
+            return {"hidden_states": hidden_states}
+        return {}
+
+    def chunk_timestep(self, chunk_index: int, start: int, end: int, timestep: torch.Tensor) -> torch.Tensor:
+        """TI2V: per-frame timesteps ``(B, end - start)`` of chunk 0 with the image frame at 0; else ``timestep``."""
+        if self._i2v_inputs.get("layout") != TI2V or start != 0:
+            return timestep
+        frame_timesteps = timestep[:, None].repeat(1, end - start)
+        frame_timesteps[:, 0] = 0.0
+        return frame_timesteps
+
+    def after_chunk_step(self, chunk_index: int, start: int, end: int, latents_chunk: torch.Tensor) -> torch.Tensor:
+        """TI2V: put the clean image latent back into frame 0 after every denoising step of chunk 0."""
+        if self._i2v_inputs.get("layout") != TI2V or start != 0:
+            return latents_chunk
+        latents_chunk[:, :, :1] = self._i2v_inputs["context_latents"]
+        return latents_chunk
+
+    def context_chunk_latents(self, chunk_index: int, start: int, end: int) -> torch.Tensor | None:
+        """The given (image or clip) latents of a chunk they cover entirely; such a chunk only fills the cache."""
+        context = self._i2v_inputs.get("context_latents")
+        if context is None or end > context.shape[2]:
+            return None
+        return context[:, :, start:end]
+
+    # ------------------------------------------------------------------ validation
+    def check_image_inputs(
+        self,
+        image: ImageInput | None,
+        video: Any,
+        image_embeds: torch.Tensor | None,
+        height: int | None,
+        width: int | None,
+        batch_size: int,
+    ) -> tuple[int, int]:
+        """Raise ``ValueError`` for image / clip inputs this checkpoint's layout cannot take; returns ``(height,
+        width)`` (taken from the image or clip when not given). Runs before any model work; the chunk fit of the
+        given frames is checked by :meth:`check_context_frames` once ``num_frames`` is validated."""
+        layout = self.i2v_layout
+        if (image is None) == (video is None):
+            raise ValueError("Pass exactly one of `image` (a first frame) and `video` (a clip to extend).")
+        if video is not None and layout != T2V_STUDENT:
+            raise ValueError(
+                f"`video` (clip extension) applies only to T2V students (layout {T2V_STUDENT!r}); this pipeline's "
+                f"layout is {layout!r}: pass `image`."
+            )
+        if image_embeds is not None and not (layout == WAN21_I2V and self.uses_image_tokens):
+            raise ValueError(
+                f"`image_embeds` (CLIP tokens) apply only to Wan2.1 I2V transformers with `image_dim`; this "
+                f"pipeline's layout is {layout!r} (image_dim={self.transformer.config.image_dim})."
+            )
+        if layout == WAN21_I2V and self.uses_image_tokens and image_embeds is None:
+            if self.image_encoder is None or self.image_processor is None:
+                raise ValueError(
+                    "This Wan2.1 I2V transformer takes CLIP image tokens (`image_dim` is set) but the pipeline has no "
+                    "`image_encoder` / `image_processor`: load them, or pass `image_embeds`."
+                )
+        if image_embeds is not None:
+            image_dim = self.transformer.config.image_dim
+            if (
+                not isinstance(image_embeds, torch.Tensor)
+                or image_embeds.ndim != 3
+                or image_embeds.shape[-1] != image_dim
+            ):
+                shape = tuple(image_embeds.shape) if isinstance(image_embeds, torch.Tensor) else type(image_embeds)
+                raise ValueError(f"`image_embeds` must be a (batch, tokens, {image_dim}) tensor, got {shape}.")
+            if image_embeds.shape[0] not in (1, batch_size):
+                raise ValueError(f"`image_embeds` has batch {image_embeds.shape[0]}; accepted: 1 or {batch_size}.")
+
+        name, frames = ("image", [image]) if image is not None else ("video", None)
+        if video is not None:
+            frames = self._video_frames(video)
+        images = [f for frame in frames for f in (frame if isinstance(frame, list) else [frame])]
+        sizes = set()
+        for item in images:
+            if isinstance(item, PIL.Image.Image):
+                sizes.add((item.height, item.width))
+            elif isinstance(item, (np.ndarray, torch.Tensor)) and item.ndim in (3, 4):
+                channels_last = isinstance(item, np.ndarray)
+                shape = item.shape[-3:-1] if channels_last else item.shape[-2:]
+                channels = item.shape[-1] if channels_last else item.shape[-3]
+                if channels != 3:
+                    layout_name = "(..., H, W, 3)" if channels_last else "(..., 3, H, W)"
+                    raise ValueError(f"`{name}` must be RGB {layout_name}, got shape {tuple(item.shape)}.")
+                if not channels_last and item.ndim == 4 and image is not None and item.shape[0] not in (1, batch_size):
+                    raise ValueError(f"`image` has batch {item.shape[0]}; accepted: 1 or {batch_size}.")
+                sizes.add(tuple(int(s) for s in shape))
+            else:
+                what = type(item).__name__ if not hasattr(item, "shape") else f"shape {tuple(item.shape)}"
+                raise ValueError(
+                    f"`{name}` must be a PIL image, a (3, H, W) / (B, 3, H, W) tensor in [0, 1], an (H, W, 3) array, "
+                    f"or a list of PIL images, got {what}."
+                )
+        if image is not None and isinstance(image, list) and len(image) not in (1, batch_size):
+            raise ValueError(f"`image` is a list of {len(image)} images; accepted: 1 or {batch_size}.")
+        if len(sizes) != 1:
+            raise ValueError(f"Every frame of `{name}` must have the same size, got {sorted(sizes)}.")
+        (image_height, image_width) = sizes.pop()
+        multiple = self.vae_scale_factor_spatial * self.transformer.config.patch_size[1]
+        resizable = all(isinstance(item, PIL.Image.Image) for item in images)
+        if height is None and width is None:
+            height, width = image_height, image_width
+            if height % multiple or width % multiple:
+                raise ValueError(
+                    f"`{name}` is {image_height}x{image_width} (H x W), not a multiple of {multiple}: resize it, or "
+                    f"pass `height` and `width` (multiples of {multiple}) to resize PIL images."
+                )
+        elif height is None or width is None:
+            raise ValueError("Pass both `height` and `width`, or neither (then the image's size is used).")
+        elif (height, width) != (image_height, image_width) and not resizable:
+            raise ValueError(
+                f"`{name}` is {image_height}x{image_width} (H x W) but `height`x`width` is {height}x{width}: tensors "
+                "and arrays are not resampled; pass them at the output size, or pass PIL images."
+            )
+
+        return height, width
+
+    @staticmethod
+    def _video_frames(video: Any) -> list:
+        """The frames of a clip: a list of PIL images, a ``(F, 3, H, W)`` tensor or an ``(F, H, W, 3)`` array."""
+        if isinstance(video, list) and video and all(isinstance(f, PIL.Image.Image) for f in video):
+            return video
+        if isinstance(video, (torch.Tensor, np.ndarray)) and video.ndim == 4:
+            return list(video)
+        what = f"shape {tuple(video.shape)}" if hasattr(video, "shape") else type(video).__name__
+        raise ValueError(
+            "`video` must be a list of PIL images, a (F, 3, H, W) tensor in [0, 1] or an (F, H, W, 3) array, "
+            f"got {what}."
+        )
+
+    def check_context_frames(self, video: Any, num_frames: int, chunk_size: int | None) -> None:
+        """T2V students: the image (1 frame) or the clip must fill whole chunks of the rollout and leave some to
+        generate; raise ``ValueError`` otherwise. Other layouts take no given chunks."""
+        if self.i2v_layout != T2V_STUDENT:
+            return
+        name = "image" if video is None else "video"
+        num_pixel_frames = 1 if video is None else len(self._video_frames(video))
+        temporal = self.vae_scale_factor_temporal
+        if num_pixel_frames % temporal != 1:
+            raise ValueError(
+                f"`{name}` has {num_pixel_frames} frames; a clip must have {temporal}k+1 frames (1, {temporal + 1}, "
+                f"{2 * temporal + 1}, ...) to encode to whole latent frames."
+            )
+        num_context = (num_pixel_frames - 1) // temporal + 1
+        num_latent_frames = (num_frames - 1) // temporal + 1
+        if num_context >= num_latent_frames:
+            raise ValueError(
+                f"`num_frames={num_frames}` leaves nothing to generate after the {num_pixel_frames} given frames of "
+                f"`{name}`: ask for more than {num_pixel_frames} frames."
+            )
+        ends = [end for _, end in self.rollout_chunk_bounds(num_latent_frames, chunk_size)]
+        if num_context not in ends:
+            config = self.transformer.config
+            fits = [(end - 1) * temporal + 1 for end in ends[:-1]]
+            hint = (
+                " A single image is a chunk of its own only with `independent_first_frame=True` (load with "
+                "`from_pretrained(..., independent_first_frame=True)` for a student trained that way)."
+                if num_pixel_frames == 1
+                else ""
+            )
+            raise ValueError(
+                f"`{name}` encodes to {num_context} latent frames, which do not fill whole chunks of this rollout "
+                f"(chunks end at latent frames {ends}; chunk_size={chunk_size or config.chunk_size}, "
+                f"independent_first_frame={config.independent_first_frame}). Accepted clip lengths: {fits} frames."
+                + hint
+            )
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    @replace_example_docstring(EXAMPLE_DOC_STRING)
+    def __call__(
+        self,
+        image: ImageInput | None = None,
+        prompt: str | list[str] | None = None,
+        negative_prompt: str | list[str] | None = None,
+        video: list[PIL.Image.Image] | torch.Tensor | np.ndarray | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_frames: int = 81,
+        num_inference_steps: int = 4,
+        timesteps: Sequence[float] | None = None,
+        sigmas: Sequence[float] | None = None,
+        guidance_scale: float = 1.0,
+        chunk_size: int | None = None,
+        context_noise: float = 0.0,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        output_type: str = "np",
+        return_dict: bool = True,
+        attention_kwargs: dict[str, Any] | None = None,
+        callback_on_step_end: Callable[..., dict[str, torch.Tensor]]
+        | PipelineCallback
+        | MultiPipelineCallbacks
+        | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' signature)
+        max_sequence_length: int = 512,
+        keep_cache: bool = False,
+    ) -> WanPipelineOutput | tuple:
+        r"""
+        The call function to the pipeline for generation.
+
+        Args:
+            image (`PIL.Image.Image`, `np.ndarray`, `torch.Tensor` or `list[PIL.Image.Image]`, *optional*):
+                The first frame: a PIL image, a `(3, H, W)` / `(B, 3, H, W)` tensor in [0, 1], an `(H, W, 3)` array,
+                or one PIL image per video. Exactly one of `image` and `video` is required.
+            prompt (`str` or `list[str]`, *optional*):
+                The prompt or prompts to guide the video generation. If not defined, pass `prompt_embeds` instead.
+            negative_prompt (`str` or `list[str]`, *optional*):
+                The prompt or prompts to avoid, used only when `guidance_scale > 1`.
+            video (`list[PIL.Image.Image]`, `torch.Tensor` or `np.ndarray`, *optional*):
+                T2V students only: a clip of 4k+1 frames to extend (`(F, 3, H, W)` tensor in [0, 1] or `(F, H, W,
+                3)` array); its latents must fill whole chunks (e.g. 9 frames = 3 latent frames for 3-frame chunks).
+            height (`int`, *optional*):
+                Height in pixels, a multiple of the VAE's spatial factor times the patch (16 for Wan2.1, 32 for
+                Wan2.2 TI2V-5B); defaults to the image's. PIL images are resized to it; tensors must match it.
+            width (`int`, *optional*):
+                Width in pixels, as `height`.
+            num_frames (`int`, defaults to `81`):
+                Number of pixel frames of the output, of the form 4k+1, counting the given image or clip.
+            num_inference_steps (`int`, defaults to `4`):
+                Denoising steps per generated chunk (timesteps 1000, 937.5, 833.3, 625 for 4 steps at shift 5).
+            timesteps (`list[float]`, *optional*):
+                Model-scale timesteps in [0, 1000], strictly decreasing, used as given.
+            sigmas (`list[float]`, *optional*):
+                Sigmas in [0, 1], strictly decreasing, shifted by the scheduler.
+            guidance_scale (`float`, defaults to `1.0`):
+                Classifier-free guidance weight; above 1 the unconditional branch (same image conditioning, negative
+                prompt) runs with its own KV cache.
+            chunk_size (`int`, *optional*):
+                Latent frames per chunk; defaults to the transformer's `chunk_size`.
+            context_noise (`float`, defaults to `0.0`):
+                Timestep of the pass that writes each finished (or given) chunk into the KV cache.
+            generator (`torch.Generator` or `list[torch.Generator]`, *optional*):
+                RNG(s) for the initial noise, the scheduler's re-noising and the context noise.
+            latents (`torch.Tensor`, *optional*):
+                Initial noise `(B, z_dim, (num_frames - 1) // 4 + 1, height / s, width / s)` of the whole video
+                (the frames of given chunks are not used).
+            prompt_embeds (`torch.Tensor`, *optional*):
+                Pre-generated text embeddings `(B, L, text_dim)`.
+            negative_prompt_embeds (`torch.Tensor`, *optional*):
+                Pre-generated negative text embeddings `(B, L, text_dim)`.
+            image_embeds (`torch.Tensor`, *optional*):
+                Wan2.1 I2V with `image_dim` only: pre-computed CLIP tokens `(B, L_img, image_dim)` (penultimate
+                hidden states); the image is then used for the VAE condition only.
+            output_type (`str`, *optional*, defaults to `"np"`):
+                `"np"`, `"pil"`, `"pt"` or `"latent"`.
+            return_dict (`bool`, *optional*, defaults to `True`):
+                Whether to return a [`~pipelines.wan.pipeline_output.WanPipelineOutput`] instead of a tuple.
+            attention_kwargs (`dict`, *optional*):
+                Passed to the transformer; `scale` sets the LoRA scale.
+            callback_on_step_end (`Callable`, `PipelineCallback`, `MultiPipelineCallbacks`, *optional*):
+                Called after every denoising step of every generated chunk, as in [`WanCausalPipeline`].
+            callback_on_step_end_tensor_inputs (`list`, *optional*):
+                Tensors given to `callback_on_step_end`, from `["latents", "prompt_embeds",
+                "negative_prompt_embeds"]`.
+            max_sequence_length (`int`, defaults to `512`):
+                Text tokens of the prompt encoding.
+            keep_cache (`bool`, defaults to `False`):
+                Keep the KV caches after the call; by default they are freed.
+
+        Examples:
+
+        Returns:
+            [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`: the frames (`frames`), the given image
+            or clip first (as the VAE reconstructs it), or `(frames,)` when `return_dict` is `False`.
+        """
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+
+        # 1. Check inputs. Raise error if not correct
+        if isinstance(prompt, str):
+            batch_size = 1
+        elif isinstance(prompt, list):
+            batch_size = len(prompt)
+        else:
+            batch_size = prompt_embeds.shape[0] if isinstance(prompt_embeds, torch.Tensor) else 1
+        height, width = self.check_image_inputs(image, video, image_embeds, height, width, batch_size)
+        self.check_inputs(
+            prompt,
+            negative_prompt,
+            height,
+            width,
+            num_frames,
+            num_inference_steps,
+            timesteps,
+            sigmas,
+            guidance_scale,
+            chunk_size,
+            context_noise,
+            generator,
+            latents,
+            prompt_embeds,
+            negative_prompt_embeds,
+            output_type,
+            callback_on_step_end_tensor_inputs,
+            max_sequence_length,
+        )
+        self.check_context_frames(video, num_frames, chunk_size)
+        layout = self.i2v_layout
+        self._guidance_scale = guidance_scale
+        self._attention_kwargs = attention_kwargs
+        self._current_timestep = None
+        self._interrupt = False
+        device = self._execution_device
+
+        # 2. Encode input prompt
+        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            do_classifier_free_guidance=self.do_classifier_free_guidance,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            max_sequence_length=max_sequence_length,
+            device=device,
+        )
+        transformer_dtype = self.transformer.dtype
+        prompt_embeds = prompt_embeds.to(device, transformer_dtype)
+        if negative_prompt_embeds is not None:
+            negative_prompt_embeds = negative_prompt_embeds.to(device, transformer_dtype)
+
+        # 3. Encode the image or clip (once; every chunk forward reuses the same tensors, so the cross K/V cache
+        # recognizes its conditioning)
+        inputs = {"layout": layout, "image_embeds": None}
+        if video is not None:
+            pixels = self.video_processor.preprocess_video(video, height=height, width=width).to(device)
+            inputs["context_latents"] = self.encode_video_latents(pixels.expand(batch_size, -1, -1, -1, -1), device)
+        else:
+            pixels = self._preprocess_image(image, height, width, batch_size).to(device)
+            if layout == WAN21_I2V:
+                inputs["condition"] = self.prepare_image_condition(pixels, num_frames, device)
+                if self.uses_image_tokens:
+                    embeds = self.encode_image(pixels, device) if image_embeds is None else image_embeds.to(device)
+                    embeds = embeds.expand(batch_size, -1, -1) if embeds.shape[0] == 1 else embeds
+                    inputs["image_embeds"] = embeds.to(transformer_dtype).contiguous()
+            else:
+                inputs["context_latents"] = self.encode_video_latents(pixels[:, :, None], device)
+
+        # 4. Prepare timesteps and latent variables
+        schedule = self.rollout_schedule(num_inference_steps, timesteps, sigmas)
+        latents = self.prepare_latents(
+            batch_size,
+            self.transformer.config.out_channels,
+            height,
+            width,
+            num_frames,
+            torch.float32,
+            device,
+            generator,
+            latents,
+        )
+        chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
+
+        # 5. Denoising loop: the shared causal rollout, conditioned through the hooks above
+        video_latents = latents.clone()
+        if "context_latents" in inputs:
+            context = inputs["context_latents"]
+            video_latents[:, :, : context.shape[2]] = context
+        self._i2v_inputs = inputs
+        try:
+            for chunk in self.rollout(
+                latents,
+                prompt_embeds,
+                negative_prompt_embeds,
+                chunk_bounds=chunk_bounds,
+                schedule=schedule,
+                guidance_scale=guidance_scale,
+                context_noise=context_noise,
+                generator=generator,
+                attention_kwargs=attention_kwargs,
+                callback_on_step_end=callback_on_step_end,
+                callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+                keep_cache=keep_cache,
+            ):
+                video_latents[:, :, chunk.start : chunk.end] = chunk.latents
+        finally:
+            self._i2v_inputs = {}
+
+        # 6. Decode
+        output = self.decode_latents(video_latents, output_type)
+
+        # Offload all models
+        self.maybe_free_model_hooks()
+
+        if not return_dict:
+            return (output,)
+        return WanPipelineOutput(frames=output)

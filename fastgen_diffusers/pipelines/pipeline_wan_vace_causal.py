@@ -1,0 +1,409 @@
+"""``WanCausalVACEPipeline``: controllable (VACE) video generation with a causal Wan student, chunk by chunk."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers import AutoencoderKLWan, DiffusionPipeline, FlowMatchEulerDiscreteScheduler, WanVACETransformer3DModel
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
+from diffusers.pipelines.wan.pipeline_wan_vace import WanVACEPipeline
+from diffusers.video_processor import VideoProcessor
+from transformers import AutoTokenizer, UMT5EncoderModel
+
+from ..models import VACEHintCache, WanCausalVACETransformer3DModel
+from .pipeline_wan_causal import WanCausalPipeline, _model_config, _share_weights
+
+REFERENCE_MODES = ("RGB", "L")
+
+
+def causal_transformer_from_wan_vace(
+    transformer: WanVACETransformer3DModel, **causal_config
+) -> WanCausalVACETransformer3DModel:
+    """A [`WanCausalVACETransformer3DModel`] sharing the parameters of a plain ``WanVACETransformer3DModel``."""
+    config = {**_model_config(transformer), **causal_config}
+    return _share_weights(transformer, WanCausalVACETransformer3DModel, config)
+
+
+def _video_layout(video: Any, name: str) -> tuple[int, int, int, int]:
+    """``(frames, channels, height, width)`` of PIL frames, an ``(F, C, H, W)`` tensor or an ``(F, H, W, C)`` array
+    (a leading batch of 1 allowed); ``ValueError`` for anything else."""
+    if isinstance(video, list) and video and all(isinstance(frame, PIL.Image.Image) for frame in video):
+        sizes = {frame.size for frame in video}
+        if len(sizes) != 1:
+            raise ValueError(f"`{name}` frames must all have one size, got sizes {sorted(sizes)}.")
+        width, height = sizes.pop()
+        return len(video), len(video[0].getbands()), height, width
+    if isinstance(video, (torch.Tensor, np.ndarray)):
+        shape = tuple(video.shape)
+        if len(shape) == 5 and shape[0] == 1:
+            shape = shape[1:]
+        if len(shape) == 4:
+            if isinstance(video, torch.Tensor):
+                return shape
+            return shape[0], shape[3], shape[1], shape[2]
+    shape = tuple(video.shape) if hasattr(video, "shape") else type(video).__name__
+    raise ValueError(
+        f"`{name}` must be a list of PIL images, a (frames, channels, height, width) tensor or a (frames, height, "
+        f"width, channels) array, got {shape}."
+    )
+
+
+def _first_frames(video: Any, num_frames: int) -> Any:
+    """The first ``num_frames`` frames; tensors and arrays as a batch of one ``(1, F, ...)`` (``preprocess_video``)."""
+    if video is None or isinstance(video, list):
+        return None if video is None else video[:num_frames]
+    video = video if video.ndim == 5 else video[None]
+    return video[:, :num_frames]
+
+
+class WanCausalVACEPipeline(WanCausalPipeline):
+    r"""
+    Controllable video generation (VACE: a control video, its mask and reference images) with a causal Wan VACE
+    student, chunk by chunk of latent frames on the KV caches of the ``"main"`` and ``"vace"`` branches.
+
+    Same conventions as [`WanCausalPipeline`] (loading, prompts, schedule, CFG, outputs, errors; the rollout is the
+    shared [`CausalRolloutMixin.rollout`]). The control inputs are prepared as [`WanVACEPipeline`] does (its own
+    methods): the masked inactive/reactive VAE latents (32 channels), the mask folded to 64 channels, and reference
+    images prepended along time as extra leading latent frames, which are generated with the video and dropped
+    before decoding. Each forward of chunk ``[s, e)`` receives the control latents ``[:, :, s:e]``.
+
+    Args:
+        tokenizer ([`T5Tokenizer`], *optional*): Tokenizer of UMT5.
+        text_encoder ([`UMT5EncoderModel`], *optional*): UMT5 encoder (optional with `prompt_embeds`).
+        vae ([`AutoencoderKLWan`]): encodes the control video and reference images, decodes the result.
+        scheduler ([`FlowMatchEulerDiscreteScheduler`]): the few-step sampler (`stochastic_sampling=True`).
+        transformer ([`WanCausalVACETransformer3DModel`]): the causal VACE transformer.
+    """
+
+    def __init__(
+        self,
+        tokenizer: AutoTokenizer | None,
+        text_encoder: UMT5EncoderModel | None,
+        vae: AutoencoderKLWan,
+        scheduler: FlowMatchEulerDiscreteScheduler,
+        transformer: WanCausalVACETransformer3DModel,
+    ):
+        DiffusionPipeline.__init__(self)
+        if not isinstance(transformer, WanCausalVACETransformer3DModel):
+            raise ValueError(
+                f"`transformer` must be a WanCausalVACETransformer3DModel, got {type(transformer).__name__}. Convert "
+                "a plain VACE transformer with `causal_transformer_from_wan_vace(transformer)` (weights are shared), "
+                "or load with `WanCausalVACEPipeline.from_pretrained` / `from_pipe`, which convert it."
+            )
+        self.register_modules(
+            vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, scheduler=scheduler
+        )
+        self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal if getattr(self, "vae", None) else 4
+        self.vae_scale_factor_spatial = self.vae.config.scale_factor_spatial if getattr(self, "vae", None) else 8
+        self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
+        self._vace_control = None
+        self._vace_scale = None
+        self._vace_hint_cache = None
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs) -> WanCausalVACEPipeline:
+        r"""Load from a diffusers Wan VACE directory or Hub repo (the layout `WanVACEPipeline` saves); the
+        `transformer` subfolder loads as a [`WanCausalVACETransformer3DModel`] with bit-identical weights. Otherwise
+        as [`WanCausalPipeline.from_pretrained`]."""
+        if "transformer" not in kwargs:
+            torch_dtype = kwargs.get("torch_dtype")
+            if isinstance(torch_dtype, dict):
+                torch_dtype = torch_dtype.get("transformer", torch_dtype.get("default"))
+            model_kwargs = {
+                key: kwargs[key]
+                for key in ("variant", "use_safetensors", "cache_dir", "local_files_only", "token", "revision")
+                if key in kwargs
+            }
+            kwargs["transformer"] = WanCausalVACETransformer3DModel.from_pretrained(
+                pretrained_model_name_or_path, subfolder="transformer", torch_dtype=torch_dtype, **model_kwargs
+            )
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
+    def from_pipe(cls, pipeline: DiffusionPipeline, **kwargs) -> WanCausalVACEPipeline:
+        r"""Build from another pipeline's components, e.g. a `WanVACEPipeline` (no extra memory): a plain
+        `WanVACETransformer3DModel` becomes a [`WanCausalVACETransformer3DModel`] sharing its parameters."""
+        transformer = getattr(pipeline, "transformer", None)
+        if "transformer" not in kwargs and type(transformer) is WanVACETransformer3DModel:
+            kwargs["transformer"] = causal_transformer_from_wan_vace(transformer)
+        return super().from_pipe(pipeline, **kwargs)
+
+    # ------------------------------------------------------------------ control inputs (diffusers' VACE code)
+    preprocess_conditions = WanVACEPipeline.preprocess_conditions
+    prepare_video_latents = WanVACEPipeline.prepare_video_latents
+    prepare_masks = WanVACEPipeline.prepare_masks
+
+    def check_vace_inputs(
+        self,
+        video: Any,
+        mask: Any,
+        reference_images: PIL.Image.Image | list[PIL.Image.Image] | list[list[PIL.Image.Image]] | None,
+        conditioning_scale: float | Sequence[float] | torch.Tensor,
+        height: int,
+        width: int,
+        num_frames: int,
+        vace_hint_refresh_interval: int,
+        allow_lossy: bool,
+    ) -> int:
+        """Raise ``ValueError`` for control inputs the rollout cannot use; returns the number of reference images."""
+        for name, frames in (("video", video), ("mask", mask)):
+            if frames is None:
+                continue
+            count, channels, frame_height, frame_width = _video_layout(frames, name)
+            if (frame_height, frame_width) != (height, width):
+                raise ValueError(
+                    f"`{name}` frames must be {height}x{width} (height x width, the output size), got "
+                    f"{frame_height}x{frame_width}; resize them first."
+                )
+            if count < num_frames:
+                raise ValueError(f"`{name}` has {count} frames, which does not cover `num_frames={num_frames}`.")
+            allowed = (3,) if name == "video" else (1, 3)
+            if channels not in allowed:
+                raise ValueError(
+                    f"`{name}` frames must have {' or '.join(map(str, allowed))} channels, got {channels}."
+                )
+        if mask is not None and video is None:
+            raise ValueError("`mask` can only be passed together with `video`.")
+
+        if reference_images is None:
+            references = []
+        elif isinstance(reference_images, PIL.Image.Image):
+            references = [reference_images]
+        elif (
+            isinstance(reference_images, list) and len(reference_images) == 1 and isinstance(reference_images[0], list)
+        ):
+            references = reference_images[0]
+        elif isinstance(reference_images, list):
+            references = reference_images
+        else:
+            raise ValueError(
+                "`reference_images` must be a PIL image, a list of PIL images or a list holding one list of PIL "
+                f"images, got {type(reference_images).__name__}."
+            )
+        for image in references:
+            if not isinstance(image, PIL.Image.Image) or image.mode not in REFERENCE_MODES or min(image.size) < 1:
+                described = f"a {image.mode} {image.size} image" if isinstance(image, PIL.Image.Image) else image
+                raise ValueError(
+                    f"Every reference image must be a non-empty PIL image in mode {REFERENCE_MODES}, got "
+                    f"{described}; convert it with `image.convert('RGB')`."
+                )
+
+        num_layers = len(self.transformer.config.vace_layers)
+        if not isinstance(conditioning_scale, (int, float)):
+            count = torch.as_tensor(conditioning_scale).numel()
+            if count != num_layers:
+                raise ValueError(
+                    f"`conditioning_scale` must be a float or one value per VACE layer ({num_layers}), got {count}."
+                )
+        if not isinstance(vace_hint_refresh_interval, int) or vace_hint_refresh_interval < 1:
+            raise ValueError(
+                f"`vace_hint_refresh_interval` must be a positive int, got {vace_hint_refresh_interval!r}."
+            )
+        if vace_hint_refresh_interval > 1 and not allow_lossy:
+            raise ValueError(
+                f"`vace_hint_refresh_interval={vace_hint_refresh_interval}` reuses VACE hints across denoising steps, "
+                "which changes the output (lossy); pass `allow_lossy=True` to enable it."
+            )
+        return len(references)
+
+    def prepare_control_latents(
+        self,
+        video: Any,
+        mask: Any,
+        reference_images: Any,
+        height: int,
+        width: int,
+        num_frames: int,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """``(1, 96, num_refs + latent frames, H/8, W/8)`` control latents, built as [`WanVACEPipeline`] does."""
+        video, mask = (_first_frames(frames, num_frames) for frames in (video, mask))
+        video, mask, references = self.preprocess_conditions(
+            video, mask, reference_images, 1, height, width, num_frames, torch.float32, device
+        )
+        latents = self.prepare_video_latents(video, mask, references, None, device)
+        return torch.cat([latents, self.prepare_masks(mask, references, None)], dim=1)
+
+    def prepare_chunk_inputs(self, chunk_index, start, end, latents_chunk, *, cache_tag, store_kv):
+        """The control latents of frames ``[start, end)``, the per-layer scale and, if enabled, the hint cache."""
+        cache = self._vace_hint_cache
+        if cache is not None:
+            cache.set_step(self.scheduler.step_index or 0)  # ``None`` before the first step of a chunk
+        return {
+            "control_hidden_states": self._vace_control[:, :, start:end],
+            "control_hidden_states_scale": self._vace_scale,
+            "vace_hint_cache": cache,
+        }
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str] | None = None,
+        negative_prompt: str | list[str] | None = None,
+        video: Any = None,
+        mask: Any = None,
+        reference_images: PIL.Image.Image | list[PIL.Image.Image] | list[list[PIL.Image.Image]] | None = None,
+        conditioning_scale: float | Sequence[float] | torch.Tensor = 1.0,
+        height: int = 480,
+        width: int = 832,
+        num_frames: int = 81,
+        num_inference_steps: int = 4,
+        timesteps: Sequence[float] | None = None,
+        sigmas: Sequence[float] | None = None,
+        guidance_scale: float = 1.0,
+        chunk_size: int | None = None,
+        context_noise: float = 0.0,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        output_type: str = "np",
+        return_dict: bool = True,
+        attention_kwargs: dict[str, Any] | None = None,
+        callback_on_step_end: Callable[..., dict[str, torch.Tensor]]
+        | PipelineCallback
+        | MultiPipelineCallbacks
+        | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' signature)
+        max_sequence_length: int = 512,
+        keep_cache: bool = False,
+        vace_hint_refresh_interval: int = 1,
+        allow_lossy: bool = False,
+    ) -> WanPipelineOutput | tuple:
+        r"""
+        Generate a video steered by a control video, its mask and reference images.
+
+        Args (the others are [`WanCausalPipeline.__call__`]'s):
+            video (list of PIL images, `(F, 3, H, W)` tensor or `(F, H, W, 3)` array in [0, 1], *optional*):
+                The control video at the output size, at least `num_frames` frames (later ones are ignored);
+                zeros when omitted, as in `WanVACEPipeline`.
+            mask (same types, 1 or 3 channels, *optional*):
+                White where the video is to be generated, black where `video` is kept; all white when omitted.
+            reference_images (`PIL.Image.Image` or a list of them, *optional*):
+                Images letterboxed onto a white canvas and prepended as leading latent frames (dropped from the
+                output).
+            conditioning_scale (`float`, a list or a tensor of one value per VACE layer, defaults to `1.0`):
+                Scale of each VACE layer's hint.
+            vace_hint_refresh_interval (`int`, defaults to `1`):
+                1 recomputes the VACE hints at every forward (exact). K > 1 reuses a chunk's hints for the
+                denoising steps between refreshes every K steps, skipping the VACE layers there (lossy; needs
+                `allow_lossy=True`). Cache-filling passes always recompute them.
+            allow_lossy (`bool`, defaults to `False`):
+                Required for `vace_hint_refresh_interval > 1`.
+
+        Returns:
+            [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`, as [`WanCausalPipeline`].
+        """
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+
+        # 1. Check inputs (before any model work); references add leading latent frames
+        num_refs = self.check_vace_inputs(
+            video,
+            mask,
+            reference_images,
+            conditioning_scale,
+            height,
+            width,
+            num_frames,
+            vace_hint_refresh_interval,
+            allow_lossy,
+        )
+        total_frames = num_frames + num_refs * self.vae_scale_factor_temporal
+        self.check_inputs(
+            prompt,
+            negative_prompt,
+            height,
+            width,
+            total_frames,
+            num_inference_steps,
+            timesteps,
+            sigmas,
+            guidance_scale,
+            chunk_size,
+            context_noise,
+            generator,
+            latents,
+            prompt_embeds,
+            negative_prompt_embeds,
+            output_type,
+            callback_on_step_end_tensor_inputs,
+            max_sequence_length,
+        )
+        self._guidance_scale = guidance_scale
+        self._attention_kwargs = attention_kwargs
+        self._current_timestep = None
+        self._interrupt = False
+
+        # 2. Prompts
+        device = self._execution_device
+        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            do_classifier_free_guidance=self.do_classifier_free_guidance,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            max_sequence_length=max_sequence_length,
+            device=device,
+        )
+        transformer_dtype = self.transformer.dtype
+        prompt_embeds = prompt_embeds.to(device, transformer_dtype)
+        if negative_prompt_embeds is not None:
+            negative_prompt_embeds = negative_prompt_embeds.to(device, transformer_dtype)
+        batch_size = prompt_embeds.shape[0]
+
+        # 3. Control latents (one control video, shared by the batch) and noise
+        control = self.prepare_control_latents(video, mask, reference_images, height, width, num_frames, device)
+        latents = self.prepare_latents(
+            batch_size,
+            self.transformer.config.out_channels,
+            height,
+            width,
+            total_frames,
+            torch.float32,
+            device,
+            generator,
+            latents,
+        )
+        self._vace_control = control.to(transformer_dtype).expand(batch_size, -1, -1, -1, -1)
+        self._vace_scale = conditioning_scale
+        self._num_reference_latent_frames = num_refs  # not video frames: `stream` decodes after them
+        if vace_hint_refresh_interval > 1:
+            self._vace_hint_cache = VACEHintCache(vace_hint_refresh_interval, allow_lossy=allow_lossy)
+
+        # 4. The causal rollout, chunk by chunk
+        video_latents = latents.clone()
+        try:
+            for chunk in self.rollout(
+                latents,
+                prompt_embeds,
+                negative_prompt_embeds,
+                chunk_bounds=self.rollout_chunk_bounds(latents.shape[2], chunk_size),
+                schedule=self.rollout_schedule(num_inference_steps, timesteps, sigmas),
+                guidance_scale=guidance_scale,
+                context_noise=context_noise,
+                generator=generator,
+                attention_kwargs=attention_kwargs,
+                callback_on_step_end=callback_on_step_end,
+                callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+                keep_cache=keep_cache,
+            ):
+                video_latents[:, :, chunk.start : chunk.end] = chunk.latents
+        finally:
+            self._vace_control = self._vace_scale = self._vace_hint_cache = None
+            self._num_reference_latent_frames = 0
+
+        # 5. Decode (without the reference frames)
+        output = self.decode_latents(video_latents[:, :, num_refs:], output_type)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return (output,)
+        return WanPipelineOutput(frames=output)

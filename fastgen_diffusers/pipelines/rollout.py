@@ -1,0 +1,471 @@
+"""The chunk-by-chunk causal rollout shared by every causal Wan pipeline (T2V, I2V, VACE, streaming).
+
+The pipelines differ only in how they condition a chunk; the loop itself lives here, once:
+
+```
+clear every cache
+for each chunk [start, end) of the partition the transformer's mask uses:
+    x = noise[:, :, start:end]                       # or the clean latents of a context chunk (no denoising)
+    for t in timesteps:                              # e.g. 1000, 937.5, 833.3, 625
+        v = transformer(x, t, text, start_frame=start, cache_tag="pos")            # store_kv=False
+        v = v_neg + g * (v - v_neg)                  # only when g > 1, v_neg under cache_tag="neg"
+        x = scheduler.step(v, t, x)                  # predict x0, re-noise to the next sigma (x0 at the last step)
+    transformer(x0 re-noised to context_noise, context_noise, text, start_frame=start, store_kv=True)  # each tag
+    yield ChunkOutput(chunk_index, start, end, x0)
+free the caches (unless keep_cache)
+```
+
+Live generation ([`LiveRolloutMixin`]: ``stream``, prompt switches, continue / redo / fork of a kept rollout) rides on
+the same loop: ``prompt_switches`` change the conditional prompt at chunk boundaries, ``resume`` continues a kept
+branch instead of clearing the caches.
+
+A pipeline mixes in [`CausalRolloutMixin`] and overrides the hooks it needs:
+
+* [`CausalRolloutMixin.prepare_chunk_inputs`]: extra (or replaced) transformer keyword arguments for one forward of
+  one chunk; the I2V pipeline returns ``hidden_states`` with its 20 condition channels concatenated and
+  ``encoder_hidden_states_image``, the VACE pipeline its control inputs.
+* [`CausalRolloutMixin.context_chunk_latents`]: clean latents for a chunk that is given rather than generated (the
+  first frame of image-conditioned students, the frames of a clip being extended); such a chunk only fills the cache.
+* [`CausalRolloutMixin.chunk_timestep`] and [`CausalRolloutMixin.after_chunk_step`]: per-frame timesteps of a
+  chunk and a fix-up of its latents after each scheduler step (Wan2.2 TI2V's clean first frame).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.utils.torch_utils import get_module_execution_device, randn_tensor
+
+from ..chunking import chunk_bounds, chunk_layout
+from ..parallel import is_main_process
+from .live import MAIN_BRANCH, KeptRollout, LiveRolloutMixin, RolloutChunk, branch_cache_tags
+from .streaming_decode import StreamingWanDecoder
+
+
+@dataclass
+class ChunkOutput:
+    """One finished chunk of a causal rollout.
+
+    Args:
+        chunk_index: position of the chunk in the partition (0 for the first chunk).
+        start: absolute index of the chunk's first latent frame.
+        end: one past its last latent frame.
+        latents: ``(B, C, end - start, H, W)`` clean latents of the chunk (float32, the x0 of the last step).
+    """
+
+    chunk_index: int
+    start: int
+    end: int
+    latents: torch.Tensor
+
+
+class CausalRolloutMixin(LiveRolloutMixin):
+    r"""Chunk loop of the causal Wan pipelines, written as a generator that yields each finished chunk.
+
+    The host pipeline provides ``transformer`` (a causal Wan transformer), ``scheduler``
+    (`FlowMatchEulerDiscreteScheduler`, ``stochastic_sampling=True`` for the students' few-step update), ``vae``,
+    ``video_processor`` and [`~DiffusionPipeline.progress_bar`]. ``__call__`` consumes [`rollout`] to the end;
+    [`LiveRolloutMixin.stream`] hands its chunks out one by one as the rollout yields them.
+    """
+
+    _callback_tensor_inputs = ["latents", "prompt_embeds", "negative_prompt_embeds"]
+
+    # ------------------------------------------------------------------ hooks for the pipeline variants
+    def prepare_chunk_inputs(
+        self,
+        chunk_index: int,
+        start: int,
+        end: int,
+        latents_chunk: torch.Tensor,
+        *,
+        cache_tag: str,
+        store_kv: bool,
+    ) -> dict[str, Any]:
+        """Transformer keyword arguments for one forward of chunk ``[start, end)``; text-to-video needs none.
+
+        Called before every transformer forward of the chunk (each denoising step, each CFG branch, and the
+        cache-filling pass with ``store_kv=True``). The rollout passes ``hidden_states=latents_chunk`` and
+        ``encoder_hidden_states`` (the branch's text embeddings); a returned key replaces or adds an argument. The
+        returned ``hidden_states`` is cast to the transformer's dtype.
+
+        Args:
+            chunk_index: position of the chunk in the partition.
+            start: absolute index of the chunk's first latent frame (``end`` is one past its last).
+            latents_chunk: ``(B, C, end - start, H, W)`` float32 latents of this forward (noisy, or the clean chunk
+                of the cache pass, re-noised when ``context_noise > 0``).
+            cache_tag: ``"pos"`` for the conditional branch, ``"neg"`` for the unconditional one.
+            store_kv: whether this forward is the cache-filling pass of the chunk.
+
+        Returns:
+            A dict of extra transformer arguments, e.g. ``{"hidden_states": torch.cat([latents_chunk, cond], 1),
+            "encoder_hidden_states_image": image_embeds}`` for Wan2.1 image-to-video.
+        """
+        return {}
+
+    def chunk_timestep(self, chunk_index: int, start: int, end: int, timestep: torch.Tensor) -> torch.Tensor:
+        """The transformer's timestep for one forward of chunk ``[start, end)``: ``timestep`` ``(B,)`` as it is, or
+        per-frame ``(B, end - start)`` (Wan2.2 TI2V keeps its clean first frame at 0). Text-to-video changes nothing.
+        """
+        return timestep
+
+    def after_chunk_step(self, chunk_index: int, start: int, end: int, latents_chunk: torch.Tensor) -> torch.Tensor:
+        """``(B, C, end - start, H, W)`` latents of chunk ``[start, end)`` after a scheduler step, before the callback
+        (Wan2.2 TI2V puts its clean first frame back). Text-to-video changes nothing."""
+        return latents_chunk
+
+    def context_chunk_latents(self, chunk_index: int, start: int, end: int) -> torch.Tensor | None:
+        """Clean ``(B, C, end - start, H, W)`` latents of a chunk that is given rather than generated, or ``None``.
+
+        A context chunk skips denoising: it is written to the cache (the same pass as a generated chunk's clean
+        latents) and yielded as it is. Text-to-video generates every chunk.
+        """
+        return None
+
+    # ------------------------------------------------------------------ planning and validation
+    def rollout_chunk_bounds(self, num_latent_frames: int, chunk_size: int | None = None) -> list[tuple[int, int]]:
+        """``[start, end)`` latent-frame ranges of the chunks, in the partition the transformer's causal mask uses.
+
+        ``chunk_size`` defaults to the transformer's; the first chunk absorbs the remainder, or is the first frame
+        alone when the transformer was trained with ``independent_first_frame``.
+        """
+        config = self.transformer.config
+        chunk_size = config.chunk_size if chunk_size is None else chunk_size
+        return chunk_bounds(chunk_layout(num_latent_frames, chunk_size, config.independent_first_frame))
+
+    def check_rollout_inputs(
+        self,
+        num_latent_frames: int,
+        chunk_size: int | None,
+        num_inference_steps: int,
+        timesteps: Sequence[float] | None,
+        sigmas: Sequence[float] | None,
+        context_noise: float,
+    ) -> None:
+        """Raise ``ValueError`` for a chunking, schedule or context timestep the rollout cannot serve."""
+        config = self.transformer.config
+        if chunk_size is not None and (
+            not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+        ):
+            raise ValueError(f"`chunk_size` must be a positive number of latent frames or None, got {chunk_size!r}.")
+        if num_latent_frames > config.rope_max_seq_len:
+            raise ValueError(
+                f"{num_latent_frames} latent frames run past the transformer's RoPE table of "
+                f"{config.rope_max_seq_len} frames (`rope_max_seq_len`); ask for fewer `num_frames`."
+            )
+        for start, end in self.rollout_chunk_bounds(num_latent_frames, chunk_size):
+            served = self.transformer.chunk_layout_for(end - start, start)
+            if served != (end - start,):
+                raise ValueError(
+                    f"`chunk_size={chunk_size}` cannot be served: its chunk of latent frames [{start}, {end}) would "
+                    f"be split into causal chunks {served} by the transformer (its chunk_size={config.chunk_size}). "
+                    f"Accepted: None (the transformer's {config.chunk_size}) or a size whose chunks stay under "
+                    f"{2 * config.chunk_size} latent frames."
+                )
+        num_train_timesteps = self.scheduler.config.num_train_timesteps
+        if timesteps is not None and sigmas is not None:
+            raise ValueError("Pass at most one of `timesteps` and `sigmas`, not both.")
+        for name, values, upper in (("timesteps", timesteps, num_train_timesteps), ("sigmas", sigmas, 1.0)):
+            if values is None:
+                continue
+            values = [float(v) for v in values]
+            if len(values) == 0:
+                raise ValueError(f"`{name}` must hold at least one step, got an empty list.")
+            if any(not 0.0 <= v <= upper for v in values):
+                raise ValueError(f"`{name}` must lie within [0, {upper}], got {values}.")
+            if any(b >= a for a, b in zip(values, values[1:])):
+                raise ValueError(f"`{name}` must be strictly decreasing, got {values}.")
+        if (
+            timesteps is None
+            and sigmas is None
+            and (
+                not isinstance(num_inference_steps, int)
+                or isinstance(num_inference_steps, bool)
+                or num_inference_steps < 1
+            )
+        ):
+            raise ValueError(f"`num_inference_steps` must be a positive integer, got {num_inference_steps!r}.")
+        if not 0.0 <= float(context_noise) <= num_train_timesteps:
+            raise ValueError(
+                f"`context_noise` must be a timestep within [0, {num_train_timesteps}], got {context_noise}."
+            )
+
+    def rollout_schedule(
+        self,
+        num_inference_steps: int,
+        timesteps: Sequence[float] | None = None,
+        sigmas: Sequence[float] | None = None,
+    ) -> dict[str, list[float]]:
+        """Arguments of ``scheduler.set_timesteps`` for every chunk.
+
+        * Default: ``sigmas = [1, (N-1)/N, ..., 1/N]`` before the scheduler's shift (4 steps at shift 5 give the
+          timesteps 1000, 937.5, 833.3, 625).
+        * ``sigmas``: used as given, then shifted by the scheduler like diffusers does.
+        * ``timesteps``: model-scale timesteps used as given; the matching sigmas ``t / 1000`` are passed unshifted
+          (inverse of the shift) so that the update uses exactly ``sigma = t / 1000``.
+        """
+        if timesteps is not None:
+            shift = self.scheduler.shift
+            shifted = np.asarray(timesteps, dtype=np.float64) / self.scheduler.config.num_train_timesteps
+            unshifted = shifted / (shift - (shift - 1.0) * shifted)
+            return {"sigmas": unshifted.tolist(), "timesteps": [float(t) for t in timesteps]}
+        if sigmas is not None:
+            return {"sigmas": [float(s) for s in sigmas]}
+        return {"sigmas": np.linspace(1.0, 0.0, num_inference_steps + 1)[:-1].tolist()}
+
+    # ------------------------------------------------------------------ properties for callbacks
+    @property
+    def guidance_scale(self) -> float:
+        return self._guidance_scale
+
+    @property
+    def do_classifier_free_guidance(self) -> bool:
+        return self._guidance_scale > 1.0
+
+    @property
+    def num_timesteps(self) -> int:
+        return self._num_timesteps
+
+    @property
+    def current_timestep(self) -> torch.Tensor | None:
+        return self._current_timestep
+
+    @property
+    def interrupt(self) -> bool:
+        return self._interrupt
+
+    @property
+    def attention_kwargs(self) -> dict[str, Any] | None:
+        return self._attention_kwargs
+
+    # ------------------------------------------------------------------ the loop
+    def _chunk_forward(
+        self,
+        latents_chunk: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        *,
+        chunk_index: int,
+        start: int,
+        end: int,
+        cache_tag: str,
+        store_kv: bool,
+    ) -> torch.Tensor:
+        """One transformer forward of chunk ``[start, end)``: ``(B, C, F, H, W)`` latents to the flow prediction."""
+        model_kwargs = {"hidden_states": latents_chunk, "encoder_hidden_states": encoder_hidden_states}
+        model_kwargs.update(
+            self.prepare_chunk_inputs(chunk_index, start, end, latents_chunk, cache_tag=cache_tag, store_kv=store_kv)
+        )
+        model_kwargs["hidden_states"] = model_kwargs["hidden_states"].to(self.transformer.dtype)
+        return self.transformer(
+            timestep=self.chunk_timestep(chunk_index, start, end, timestep),
+            start_frame=start,
+            cache_tag=cache_tag,
+            store_kv=store_kv,
+            attention_kwargs=self._attention_kwargs,
+            return_dict=False,
+            **model_kwargs,
+        )[0]
+
+    def rollout(
+        self,
+        latents: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        *,
+        chunk_bounds: Sequence[tuple[int, int]],
+        schedule: dict[str, list[float]],
+        guidance_scale: float = 1.0,
+        context_noise: float = 0.0,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        attention_kwargs: dict[str, Any] | None = None,
+        callback_on_step_end: Callable[..., dict[str, torch.Tensor]] | None = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        keep_cache: bool = False,
+        prompt_switches: Mapping[int, torch.Tensor] | None = None,
+        recache: bool = False,
+        branch: str = MAIN_BRANCH,
+        resume: bool = False,
+    ) -> Iterator[ChunkOutput]:
+        """Generate the chunks one after the other, yielding each as soon as its clean latents are in the cache.
+
+        Inputs are expected validated (``check_inputs``). Every cache is cleared first. On exit, normal or not, the
+        caches are freed unless ``keep_cache`` is set and the rollout finished; an exception, an interruption
+        (``self._interrupt = True`` from a callback) or closing the generator early therefore leaves the pipeline
+        exactly as fresh as before.
+
+        Args:
+            latents: ``(B, C, F, H, W)`` float32 initial noise of the whole video; chunk ``[s, e)`` starts from
+                ``latents[:, :, s:e]``.
+            prompt_embeds: ``(B, L, text_dim)`` text embeddings in the transformer's dtype.
+            negative_prompt_embeds: ``(B, L', text_dim)``, required when ``guidance_scale > 1``.
+            chunk_bounds: ``[start, end)`` of every chunk (see [`rollout_chunk_bounds`]).
+            schedule: ``scheduler.set_timesteps`` arguments (see [`rollout_schedule`]), applied at every chunk.
+            guidance_scale: classifier-free guidance weight; above 1 the unconditional branch runs under
+                ``cache_tag="neg"`` with its own caches.
+            context_noise: timestep of the cache-filling pass; above 0 the clean chunk is re-noised to it first.
+            generator: RNG(s) of the scheduler's re-noising and of the context noise.
+            attention_kwargs: passed to the transformer (``scale`` for LoRA).
+            callback_on_step_end: ``callback(pipe, step, timestep, callback_kwargs)`` after every denoising step;
+                ``step`` counts over chunks x steps and ``"latents"`` is the current chunk ``(B, C, e - s, H, W)``.
+            callback_on_step_end_tensor_inputs: names from ``_callback_tensor_inputs`` given to the callback.
+            keep_cache: leave the caches filled after a finished rollout and record it as the kept rollout
+                ``branch`` (see [`LiveRolloutMixin.continue_rollout`]).
+            prompt_switches: ``{chunk_index: (B, L, text_dim) embeddings}``: the conditional branch follows these
+                embeddings from that chunk on. The cross K/V of its cache tag are invalidated at the switch.
+            recache: at every switch, re-run the cache pass of the earlier chunks under the new prompt (LongLive's
+                recache): one extra transformer forward per earlier chunk, no denoising.
+            branch: name of the kept rollout this rollout writes (``"main"``: cache tags ``"pos"`` / ``"neg"``).
+            resume: continue the kept rollout ``branch`` instead of starting a video: no cache is cleared,
+                ``chunk_bounds`` start where the branch ends and chunk indices continue its numbering. An exception or
+                an early close discards that branch only.
+
+        Yields:
+            [`ChunkOutput`] per finished chunk, in order.
+        """
+        device = latents.device
+        batch_size = latents.shape[0]
+        cache_tags = branch_cache_tags(branch) if guidance_scale > 1.0 else branch_cache_tags(branch)[:1]
+        prompt_switches = prompt_switches or {}
+        self._guidance_scale = guidance_scale
+        self._attention_kwargs = attention_kwargs
+        self._current_timestep = None
+        self._interrupt = False
+        num_steps = len(schedule["sigmas"])
+        history = list(self.kept_rollout(branch).chunks) if resume else []
+        first_index = len(history)
+        contexts = [self.context_chunk_latents(i, s, e) for i, (s, e) in enumerate(chunk_bounds, first_index)]
+        self._num_timesteps = num_steps * sum(context is None for context in contexts)
+        context_timestep = torch.full((batch_size,), float(context_noise), device=device)
+        context_sigma = float(context_noise) / self.scheduler.config.num_train_timesteps
+
+        if not resume:
+            self.discard_rollout()
+        finished = False
+        try:
+            with self.progress_bar(total=self._num_timesteps) as progress_bar:
+                step = 0
+                for chunk_index, (start, end) in enumerate(chunk_bounds, first_index):
+                    if self.interrupt:
+                        return
+                    if chunk_index in prompt_switches:
+                        prompt_embeds = prompt_switches[chunk_index]
+                        self._switch_prompt(prompt_embeds, history, cache_tags[0], context_timestep, recache)
+                    clean = contexts[chunk_index - first_index]
+                    if clean is None:
+                        latents_chunk = latents[:, :, start:end]
+                        self.scheduler.set_timesteps(**schedule, device=device)
+                        self.scheduler.set_begin_index(0)
+                        for t in self.scheduler.timesteps:
+                            if self.interrupt:
+                                return
+                            self._current_timestep = t
+                            timestep = t.expand(batch_size)
+                            flow = self._chunk_forward(
+                                latents_chunk,
+                                timestep,
+                                prompt_embeds,
+                                chunk_index=chunk_index,
+                                start=start,
+                                end=end,
+                                cache_tag=cache_tags[0],
+                                store_kv=False,
+                            )
+                            if guidance_scale > 1.0:
+                                flow_uncond = self._chunk_forward(
+                                    latents_chunk,
+                                    timestep,
+                                    negative_prompt_embeds,
+                                    chunk_index=chunk_index,
+                                    start=start,
+                                    end=end,
+                                    cache_tag=cache_tags[1],
+                                    store_kv=False,
+                                )
+                                flow = flow_uncond + guidance_scale * (flow - flow_uncond)
+                            latents_chunk = self.scheduler.step(
+                                flow.float(), t, latents_chunk, generator=generator, return_dict=False
+                            )[0]
+                            latents_chunk = self.after_chunk_step(chunk_index, start, end, latents_chunk)
+
+                            if callback_on_step_end is not None:
+                                tensors = {
+                                    "latents": latents_chunk,
+                                    "prompt_embeds": prompt_embeds,
+                                    "negative_prompt_embeds": negative_prompt_embeds,
+                                }
+                                callback_kwargs = {}
+                                for name in callback_on_step_end_tensor_inputs:
+                                    callback_kwargs[name] = tensors[name]
+                                callback_outputs = callback_on_step_end(self, step, t, callback_kwargs)
+                                latents_chunk = callback_outputs.pop("latents", latents_chunk)
+                                prompt_embeds = callback_outputs.pop("prompt_embeds", prompt_embeds)
+                                negative_prompt_embeds = callback_outputs.pop(
+                                    "negative_prompt_embeds", negative_prompt_embeds
+                                )
+                            step += 1
+                            progress_bar.update()
+                        clean = latents_chunk
+                    self._current_timestep = None
+
+                    # The last chunk's cache pass only serves a continuation, so it runs only when the cache is kept.
+                    if keep_cache or chunk_index < first_index + len(chunk_bounds) - 1:
+                        context = clean
+                        if context_noise > 0:
+                            noise = randn_tensor(clean.shape, generator=generator, device=device, dtype=clean.dtype)
+                            context = (1.0 - context_sigma) * clean + context_sigma * noise
+                        for cache_tag in cache_tags:
+                            self._chunk_forward(
+                                context,
+                                context_timestep,
+                                prompt_embeds if cache_tag == cache_tags[0] else negative_prompt_embeds,
+                                chunk_index=chunk_index,
+                                start=start,
+                                end=end,
+                                cache_tag=cache_tag,
+                                store_kv=True,
+                            )
+                        history.append(RolloutChunk(chunk_index, start, end, clean, context))
+                    output = ChunkOutput(chunk_index, start, end, clean)
+                    if self._on_chunk_done is not None:
+                        self._on_chunk_done(output)
+                    yield output
+            finished = True
+        finally:
+            self._current_timestep = None
+            if finished and keep_cache:
+                self._kept_rollouts[branch] = KeptRollout(
+                    cache_tags=cache_tags,
+                    chunks=tuple(history),
+                    prompt_embeds=prompt_embeds,
+                    negative_prompt_embeds=negative_prompt_embeds,
+                    schedule=schedule,
+                    guidance_scale=guidance_scale,
+                    context_noise=context_noise,
+                    attention_kwargs=attention_kwargs,
+                )
+            else:
+                self.discard_rollout(branch if resume else None)
+
+    # ------------------------------------------------------------------ output
+    def decode_latents(self, latents: torch.Tensor, output_type: str = "np"):
+        """``(B, C, F, H, W)`` normalized latents to frames: ``"np"`` ``(B, 4F-3, H*8, W*8, 3)`` floats in [0, 1],
+        ``"pt"`` ``(B, 4F-3, 3, H*8, W*8)``, ``"pil"`` lists of PIL images; ``"latent"`` returns ``latents``.
+
+        Under context parallelism only the main process (rank 0 of the transformer's group) decodes; the others return
+        ``latents`` without decoding (see :mod:`fastgen_diffusers.parallel`)."""
+        if output_type == "latent" or not is_main_process(self.transformer):
+            return latents
+        vae = self.vae
+        if not vae.use_tiling:  # frame by frame like `stream`, so that streamed and returned frames are identical
+            with StreamingWanDecoder(vae) as decoder:
+                return self.video_processor.postprocess_video(decoder.decode(latents), output_type=output_type)
+        latents = latents.to(get_module_execution_device(vae), dtype=vae.dtype)
+        latents_mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        latents = latents / latents_std + latents_mean
+        video = vae.decode(latents, return_dict=False)[0]
+        return self.video_processor.postprocess_video(video, output_type=output_type)

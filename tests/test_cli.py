@@ -1,0 +1,54 @@
+"""``fastgen-diffusers generate`` writes a readable mp4 with the expected frame count, offline."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+
+from fastgen_diffusers import cli
+from fastgen_diffusers.testing import tiny_pipeline
+
+
+def read_frames(path) -> np.ndarray:
+    """``(F, H, W, 3)`` uint8 frames decoded by imageio-ffmpeg."""
+    return iio.imread(path, plugin="FFMPEG")
+
+
+def test_console_script_points_at_main():
+    (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "fastgen-diffusers"]
+    assert script.load() is cli.main
+
+
+def test_generate_without_model_uses_the_tiny_random_model(tmp_path, capsys):
+    output = tmp_path / "videos" / "fox.mp4"
+    args = ["generate", "--prompt", "a red fox runs", "--output", str(output), "--num-frames", "9"]
+    assert cli.main([*args, "--height", "32", "--width", "48", "--seed", "1", "--fps", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "RANDOM weights" in printed
+    assert f"Wrote {output} (9 frames, 48x32, 8 fps)" in printed
+    frames = read_frames(output)
+    assert len(frames) == 9
+    assert frames[0].shape == (32, 48, 3)
+
+
+def test_generate_with_a_local_model_directory_and_cfg(tmp_path, capsys):
+    tiny_pipeline(seed=3).save_pretrained(tmp_path / "model")
+    output = tmp_path / "out.mp4"
+    args = ["generate", "--prompt", "a cat", "--model", str(tmp_path / "model"), "--output", str(output)]
+    args += ["--num-frames", "5", "--height", "32", "--width", "32", "--steps", "2", "--guidance-scale", "3"]
+    assert cli.main([*args, "--negative-prompt", "blurry", "--device", "cpu", "--dtype", "float32"]) == 0
+    printed = capsys.readouterr().out
+    assert "RANDOM" not in printed and "(5 frames, 32x32, 16 fps)" in printed
+    assert len(read_frames(output)) == 5
+
+
+def test_bad_arguments_exit_with_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as error:
+        cli.main(["generate", "--output", "x.mp4"])
+    assert error.value.code == 2
+    assert "--prompt" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="`num_frames`"):
+        cli.main(["generate", "--prompt", "a fox", "--num-frames", "8"])

@@ -1,0 +1,112 @@
+"""Streaming: exact streamed VAE decoding, chunks handed out as they finish, early close."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKLWan
+
+from fastgen_diffusers.pipelines.streaming_decode import StreamingWanDecoder
+from fastgen_diffusers.testing import tiny_pipeline
+
+CALL = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 25, "num_inference_steps": 2}
+
+
+def _full_decode(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        return vae.decode(latents / std + mean).sample
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipe = tiny_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        # Wan2.2-style: residual blocks and a 2x2 patchified output (unpatchify after the decoder).
+        {"is_residual": True, "patch_size": 2, "in_channels": 12, "out_channels": 12, "scale_factor_spatial": 16},
+    ],
+)
+def test_streamed_decode_ignores_chunking_and_matches_full_decode(config):
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(
+        base_dim=3,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        **config,
+    ).eval()
+    latents = torch.randn(1, 16, 5, 2, 2, generator=torch.Generator().manual_seed(1))
+    with StreamingWanDecoder(vae) as decoder:
+        pieces = [decoder.decode(latents[:, :, s:e]) for s, e in [(0, 1), (1, 3), (3, 5)]]
+        assert decoder.num_decoded_frames == 17
+    assert [p.shape[2] for p in pieces] == [1, 8, 8]
+    with StreamingWanDecoder(vae) as decoder:
+        assert torch.equal(torch.cat(pieces, dim=2), decoder.decode(latents))
+    # vae.decode runs post_quant_conv on all frames at once, which rounds differently than frame by frame.
+    torch.testing.assert_close(torch.cat(pieces, dim=2), _full_decode(vae, latents), atol=2e-6, rtol=0)
+    assert all(entry is None for entry in vae._feat_map)  # the VAE's own cache is never touched
+
+
+def test_decoding_chunks_independently_loses_frames():
+    """Why the decoder carries its cache: a restarted cache decodes each chunk's first latent frame to 1 frame."""
+    vae = tiny_pipeline().vae
+    latents = torch.randn(1, 16, 4, 2, 2, generator=torch.Generator().manual_seed(1))
+    independent = [StreamingWanDecoder(vae).decode(latents[:, :, s : s + 2]) for s in (0, 2)]
+    assert sum(p.shape[2] for p in independent) == 10 < _full_decode(vae, latents).shape[2] == 13
+
+
+def test_stream_frames_concatenate_to_call_frames(pipe):
+    reference = pipe(**CALL, generator=torch.Generator().manual_seed(0))
+    chunks = list(pipe.stream(**CALL, generator=torch.Generator().manual_seed(0)))
+    assert [(c.start, c.end, c.frame_start) for c in chunks] == [(0, 4, 0), (4, 7, 13)]  # 7 latent frames: (4, 3)
+    assert np.array_equal(np.concatenate([c.frames for c in chunks], axis=1), reference.frames)
+    latents = pipe(**CALL, generator=torch.Generator().manual_seed(0), output_type="latent").frames
+    assert torch.equal(torch.cat([c.latents for c in chunks], dim=2), latents)
+
+
+def test_stream_yields_first_chunk_before_computing_the_second(pipe):
+    calls = []
+    hook = pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(kwargs["start_frame"]), with_kwargs=True
+    )
+    try:
+        stream = pipe.stream(**CALL, generator=torch.Generator().manual_seed(0), output_type="latent")
+        first = next(stream)
+        assert first.end == 4 and set(calls) == {0}
+        assert len(calls) == CALL["num_inference_steps"] + 1  # denoising steps + the cache pass, nothing of chunk 2
+        list(stream)
+        assert calls.count(4) == CALL["num_inference_steps"]  # the last chunk needs no cache pass
+    finally:
+        hook.remove()
+
+
+def test_closing_a_stream_leaves_the_pipeline_fresh(pipe):
+    stream = pipe.stream(**CALL, generator=torch.Generator().manual_seed(3))
+    next(stream)
+    stream.close()
+    assert all(engine.num_stored_frames("pos") == 0 for engine in pipe.transformer.kv_cache_engines.values())
+    after = pipe(**CALL, generator=torch.Generator().manual_seed(0), output_type="latent").frames
+    fresh = tiny_pipeline()
+    fresh.set_progress_bar_config(disable=True)
+    assert torch.equal(after, fresh(**CALL, generator=torch.Generator().manual_seed(0), output_type="latent").frames)
+
+
+def test_stream_raises_the_rollout_error_and_stays_usable(pipe):
+    def fail(pipeline, step, timestep, callback_kwargs):
+        if step == 2:
+            raise RuntimeError("boom")
+        return callback_kwargs
+
+    with pytest.raises(RuntimeError, match="boom"):
+        list(pipe.stream(**CALL, callback_on_step_end=fail, output_type="latent"))
+    assert list(pipe.stream(**CALL, output_type="latent"))[-1].end == 7
