@@ -106,7 +106,7 @@ def header(args) -> None:
     print(
         f"causal Wan {CONFIG['num_layers']} layers, {CONFIG['num_attention_heads']}x{CONFIG['attention_head_dim']} "
         f"heads, latents {args.frames}x{LATENT_HW[0]}x{LATENT_HW[1]} (64 tokens/frame), chunks of "
-        f"{CONFIG['chunk_size']}, {args.steps} steps + cache pass per chunk, threads per rank: {torch.get_num_threads()}"
+        f"{CONFIG['chunk_size']}, {args.steps} steps + cache pass per chunk, {torch.get_num_threads()} thread(s)/rank"
     )
     print("ranks | chunk ms (med) | cache MiB/rank | formula/ranks MiB | max|dx| vs 1")
 

@@ -10,9 +10,9 @@ float32. Everything is measured in this one run:
   the same latents (checked);
 * memory: the self-attention K/V bytes held at the end of a ``keep_cache=True`` rollout against
   ``expected_self_cache_bytes`` (2 x layers x batch x heads x tokens x head_dim x bytes), and the peak memory of the
-  rollout (CUDA allocator peak on a GPU; on a CPU the process peak RSS growth, a coarse bound).
+  rollout (CUDA allocator peak on a GPU; on a CPU only the process peak RSS, a coarse bound).
 
-Run: ``python benchmarks/bench_pipeline.py [--device cuda] [--repeats 3]`` (about a minute on 2 CPU cores).
+Run: ``python benchmarks/bench_pipeline.py [--device cuda] [--repeats 3] [--threads 1]`` (under a minute on a CPU).
 """
 
 from __future__ import annotations
@@ -100,8 +100,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (1: a shared CPU thrashes with more)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
 
     components = tiny_components()
     components["transformer"] = tiny_transformer(**CONFIG)
@@ -143,7 +145,7 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
     else:
-        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        baseline = 0
     cached_rollout(pipe, latents, embeds, seed=1, keep_cache=True)
     held = pipe.transformer.kv_cache_bytes()
     formula = expected_self_cache_bytes(
@@ -159,7 +161,7 @@ def main() -> None:
         peak_label = "CUDA peak allocated during the rollout"
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
-        peak_label = "process peak RSS growth (coarse; earlier runs already set most of the peak)"
+        peak_label = "process peak RSS (coarse: weights, tables, the recompute baseline's activations included)"
     pipe.transformer.clear_caches()
     print(
         f"memory: K/V held after a keep_cache rollout {held / 2**20:.2f} MiB vs formula {formula / 2**20:.2f} MiB "

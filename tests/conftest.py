@@ -3,6 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+# Tiny models gain nothing from intra-op threads, and oversubscribed threads slow them badly on a loaded machine.
+torch.set_num_threads(1)
+
 TINY_WAN_CONFIG = {
     "patch_size": (1, 2, 2),
     "num_attention_heads": 2,

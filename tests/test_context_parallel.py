@@ -24,6 +24,7 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from fastgen_diffusers import WanCausalTransformer3DModel
 from fastgen_diffusers.kv_cache import StaticKVCacheEngine
+from fastgen_diffusers.parallel import setup_context_parallel
 from fastgen_diffusers.processors import WanCausalAttnProcessor
 from fastgen_diffusers.testing import TINY_TRANSFORMER_CONFIG, tiny_pipeline, tiny_transformer
 
@@ -238,3 +239,12 @@ def test_enable_parallelism_needs_the_causal_processors():
     with pytest.raises(ValueError, match="before the causal attention processors were installed"):
         model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
     assert model._parallel_config is None
+
+
+def test_setup_refuses_ring_and_a_launch_without_torchrun():
+    pipe, _ = make_pipe()
+    with pytest.raises(ValueError, match="ulysses"):
+        setup_context_parallel(pipe, "ring")
+    with mock.patch.dict(os.environ, clear=True), pytest.raises(RuntimeError, match="torchrun"):
+        setup_context_parallel(pipe, "ulysses")
+    assert pipe.transformer._parallel_config is None

@@ -359,7 +359,6 @@ def test_converted_fastgen_regular_weights_with_overrides(wan_base, tmp_path):
     assert _front_matter((result.output / "README.md").read_text())["tags"][-1] == "fastgen"
 
 
-@pytest.mark.xfail(reason="WanCausalPipeline does not read `timesteps` / `context_noise` from its config yet")
 def test_call_without_arguments_uses_the_stored_settings(wan_base, tmp_path):
     from fastgen_diffusers.convert import convert_checkpoint
     from fastgen_diffusers.pipelines import WanCausalPipeline

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from diffusers.models.embeddings import get_1d_rotary_pos_embed
 
 
 class CausalRotaryTables:
@@ -25,15 +24,21 @@ class CausalRotaryTables:
         h_dim = w_dim = 2 * (attention_head_dim // 6)
         t_dim = attention_head_dim - h_dim - w_dim
         self.split = (t_dim, h_dim, w_dim)
-        cos_sin = [
-            get_1d_rotary_pos_embed(
-                dim, max_seq_len, theta, use_real=True, repeat_interleave_real=True, freqs_dtype=torch.float64
-            )
-            for dim in self.split
-        ]
-        self._cos = [c.to(torch.float64) for c, _ in cos_sin]  # per axis: (max_seq_len, axis_dim)
-        self._sin = [s.to(torch.float64) for _, s in cos_sin]
+        # diffusers' ``get_1d_rotary_pos_embed`` rounds its tables to float32; these stay float64 end to end.
+        angles = [self._angles(dim, max_seq_len, theta) for dim in self.split]  # per axis: (max_seq_len, dim / 2)
+        self._cos = [a.cos().repeat_interleave(2, dim=1) for a in angles]  # per axis: (max_seq_len, axis_dim)
+        self._sin = [a.sin().repeat_interleave(2, dim=1) for a in angles]
         self._per_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    @staticmethod
+    def _inverse_frequencies(dim: int, theta: float) -> torch.Tensor:
+        """``(dim / 2,)`` float64 ``1 / theta**(2i / dim)`` of one axis (the Wan/diffusers frequencies)."""
+        return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+
+    @classmethod
+    def _angles(cls, dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+        """``(max_seq_len, dim / 2)`` float64 rotation angles ``position * inv_freq`` of one axis."""
+        return torch.outer(torch.arange(max_seq_len, dtype=torch.float64), cls._inverse_frequencies(dim, theta))
 
     def _tables(self, device: torch.device):
         device = torch.device(device)
@@ -66,12 +71,9 @@ class CausalRotaryTables:
         ``p + shift``: RoPE rotations compose. The height and width channel pairs are left as they are.
         """
         t_dim, h_dim, w_dim = self.split
-        position = torch.tensor([float(shift)], dtype=torch.float64)
-        cos, sin = get_1d_rotary_pos_embed(
-            t_dim, position, self.theta, use_real=True, repeat_interleave_real=True, freqs_dtype=torch.float64
-        )
+        angles = float(shift) * self._inverse_frequencies(t_dim, self.theta)  # (t_dim / 2,)
         identity = torch.ones((h_dim + w_dim) // 2, dtype=torch.complex64)
-        rotation = torch.cat([torch.complex(cos[0, ::2], sin[0, ::2]).to(torch.complex64), identity])
+        rotation = torch.cat([torch.polar(torch.ones_like(angles), angles).to(torch.complex64), identity])
         return rotation.view(1, 1, 1, -1).to(device)
 
     def __call__(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import queue
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -515,3 +516,27 @@ class LiveRolloutMixin:
         if not return_dict:
             return (video,)
         return WanPipelineOutput(frames=video)
+
+
+def stream_to_video(pipe: LiveRolloutMixin, path: str, fps: int = 16, **call_kwargs) -> tuple[int, float, float]:
+    """Stream ``pipe(**call_kwargs)`` into an mp4 at ``path``, writing each chunk's frames as soon as they come.
+
+    Uses imageio's ffmpeg writer (batch element 0). Prints the time to the first frames.
+
+    Returns:
+        ``(num_frames, seconds_to_first_frames, total_seconds)``.
+    """
+    import imageio
+
+    start = time.perf_counter()
+    first = None
+    num_frames = 0
+    with imageio.get_writer(path, fps=fps) as writer:
+        for chunk in pipe.stream(**{**call_kwargs, "output_type": "np"}):
+            for frame in chunk.frames[0]:
+                writer.append_data((frame * 255).round().astype("uint8"))
+            num_frames += len(chunk.frames[0])
+            if first is None:
+                first = time.perf_counter() - start
+                print(f"First {num_frames} frames after {first:.2f} s.")
+    return num_frames, first, time.perf_counter() - start

@@ -133,6 +133,7 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     _optional_components = ["tokenizer", "text_encoder"]
     _resumable_rollouts = True
+    _transformer_class = WanCausalTransformer3DModel
 
     def __init__(
         self,
@@ -141,17 +142,22 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         vae: AutoencoderKLWan,
         scheduler: FlowMatchEulerDiscreteScheduler,
         transformer: WanCausalTransformer3DModel,
+        timesteps: list[float] | None = None,
+        context_noise: float = 0.0,
     ):
         super().__init__()
-        if not isinstance(transformer, WanCausalTransformer3DModel):
+        if not isinstance(transformer, self._transformer_class):
             raise ValueError(
-                f"`transformer` must be a WanCausalTransformer3DModel, got {type(transformer).__name__}. Convert a "
-                "plain Wan transformer with `causal_transformer_from_wan(transformer)` (weights are shared), or load "
-                "with `WanCausalPipeline.from_pretrained` / `WanCausalPipeline.from_pipe`, which convert it."
+                f"`transformer` must be a {self._transformer_class.__name__}, got {type(transformer).__name__}. Load "
+                f"with `{type(self).__name__}.from_pretrained` / `.from_pipe`, which convert a plain Wan transformer, "
+                "or convert it with `causal_transformer_from_wan` / `causal_transformer_from_wan_vace` (weights are "
+                "shared)."
             )
         self.register_modules(
             vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, scheduler=scheduler
         )
+        # The student's sampling settings (written by `fastgen-diffusers convert`): used when a call names none.
+        self.register_to_config(timesteps=None if timesteps is None else list(timesteps), context_noise=context_noise)
         self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal if getattr(self, "vae", None) else 4
         self.vae_scale_factor_spatial = self.vae.config.scale_factor_spatial if getattr(self, "vae", None) else 8
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
@@ -320,12 +326,12 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         height: int = 480,
         width: int = 832,
         num_frames: int = 81,
-        num_inference_steps: int = 4,
+        num_inference_steps: int | None = None,
         timesteps: Sequence[float] | None = None,
         sigmas: Sequence[float] | None = None,
         guidance_scale: float = 1.0,
         chunk_size: int | None = None,
-        context_noise: float = 0.0,
+        context_noise: float | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
         prompt_embeds: torch.Tensor | dict[int, torch.Tensor] | None = None,
@@ -341,6 +347,9 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         max_sequence_length: int = 512,
         keep_cache: bool = False,
         recache: bool = False,
+        attention_window: int | None = None,
+        sink_frames: int = 0,
+        kv_cache_engine: str | None = "static",
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -360,9 +369,11 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
                 Width in pixels of the generated video, a multiple of 16.
             num_frames (`int`, defaults to `81`):
                 Number of pixel frames, of the form 4k+1 (81 frames are 21 latent frames: 7 chunks of 3).
-            num_inference_steps (`int`, defaults to `4`):
-                Denoising steps per chunk. The default schedule is the sigmas `[1, (N-1)/N, ..., 1/N]` shifted by the
-                scheduler's shift: timesteps 1000, 937.5, 833.3, 625 for 4 steps at shift 5 (Self-Forcing's).
+            num_inference_steps (`int`, *optional*):
+                Denoising steps per chunk; without it (and without `timesteps`/`sigmas`) the pipeline's stored
+                `timesteps` (a converted student's) are used, else 4. The schedule of N steps is the sigmas
+                `[1, (N-1)/N, ..., 1/N]` shifted by the scheduler's shift: timesteps 1000, 937.5, 833.3, 625 for 4
+                steps at shift 5 (Self-Forcing's).
             timesteps (`list[float]`, *optional*):
                 Model-scale timesteps in [0, 1000], strictly decreasing, used as given (e.g. `[1000, 937.5, 833.3,
                 625]`); overrides `num_inference_steps`.
@@ -373,7 +384,8 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
                 forward per step) is the default; above 1 the unconditional branch runs with its own KV cache.
             chunk_size (`int`, *optional*):
                 Latent frames per chunk; defaults to the transformer's `chunk_size` (the one it was trained with).
-            context_noise (`float`, defaults to `0.0`):
+            context_noise (`float`, *optional*):
+                Defaults to the pipeline's stored `context_noise` (0 unless a converted student says otherwise).
                 Timestep of the pass that writes each finished chunk into the KV cache; above 0 the clean chunk is
                 re-noised to it first.
             generator (`torch.Generator` or `list[torch.Generator]`, *optional*):
@@ -408,6 +420,14 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
                 At each prompt switch, recompute the self K/V of the chunks before it under the new prompt
                 (LongLive's recache) instead of only switching the cross-attention. Costs one transformer forward per
                 earlier chunk at every switch (a 4-step chunk costs 4 forwards plus its cache pass).
+            attention_window (`int`, *optional*):
+                Sliding attention window in latent frames (Self-Forcing's `local_attn_size`): a chunk attends to at
+                most this many frames, its own and the sink included, so memory and time per chunk stay flat.
+            sink_frames (`int`, defaults to `0`):
+                First latent frames that stay inside the window for ever (Self-Forcing's `sink_size`).
+            kv_cache_engine (`str`, *optional*, defaults to `"static"`):
+                `"static"` (buffers allocated once, written in place), `"vanilla"` (a list of chunk tensors) or `None`
+                to keep the engines set on the transformer (`transformer.set_kv_cache_engines`).
 
         Examples:
 
@@ -419,7 +439,13 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
 
+        if timesteps is None and sigmas is None and num_inference_steps is None:
+            timesteps = self.config.get("timesteps")
+        num_inference_steps = 4 if num_inference_steps is None else num_inference_steps
+        context_noise = self.config.get("context_noise", 0.0) if context_noise is None else context_noise
+
         # 1. Check inputs. Raise error if not correct
+        self.check_kv_cache_inputs(kv_cache_engine, attention_window, sink_frames)
         prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(prompt, prompt_embeds)
         self.check_inputs(
             prompt,
@@ -487,6 +513,7 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             latents,
         )
         chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
+        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, latents.shape[2])
 
         # 6. Denoising loop: the causal rollout, chunk by chunk
         video_latents = latents.clone()

@@ -23,7 +23,7 @@ checkpoint has from its config and components:
 * ``"ti2v"`` (Wan2.2 TI2V-5B, ``expand_timesteps=True``): latent frame 0 of chunk 0 is the clean image latent at
   timestep 0 (per-frame timesteps), and stays clean.
 * ``"t2v-student"`` (Self-Forcing / CausVid style T2V students): the image, or a clip being extended, is VAE-encoded
-  and written into the KV cache at the context timestep (0) as given chunks before the generated ones; with
+  and written into the KV cache clean, at timestep 0, as given chunks before the generated ones; with
   ``independent_first_frame`` the image is its own chunk (``[1, c, c, ...]``).
 """
 
@@ -58,12 +58,16 @@ EXAMPLE_DOC_STRING = """
         ```python
         >>> import torch
         >>> from diffusers.utils import export_to_video, load_image
-        >>> from fastgen_diffusers import WanCausalImageToVideoPipeline
+        >>> from fastgen_diffusers import WanCausalImageToVideoPipeline, WanCausalTransformer3DModel
 
-        >>> # A T2V student (Self-Forcing / CausVid) with a [1, 3, 3, ...] chunk layout: the image is written into the
-        >>> # KV cache as the first chunk; Wan2.1 I2V and Wan2.2 TI2V-5B checkpoints load the same way.
+        >>> # A T2V student (Self-Forcing / CausVid) trained with a [1, 3, 3, ...] chunk layout: the image is written
+        >>> # into the KV cache as the first chunk. Wan2.1 I2V and Wan2.2 TI2V-5B checkpoints load without overrides.
+        >>> path = "path/to/self-forcing-i2v-diffusers"
+        >>> transformer = WanCausalTransformer3DModel.from_pretrained(
+        ...     path, subfolder="transformer", torch_dtype=torch.bfloat16, independent_first_frame=True
+        ... )
         >>> pipe = WanCausalImageToVideoPipeline.from_pretrained(
-        ...     "path/to/self-forcing-diffusers", torch_dtype=torch.bfloat16, independent_first_frame=True
+        ...     path, transformer=transformer, torch_dtype=torch.bfloat16
         ... )
         >>> pipe.to("cuda")
         >>> image = load_image("first_frame.png").resize((832, 480))
@@ -149,8 +153,10 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         image_processor: BaseImageProcessor | None = None,  # CLIPImageProcessor; that name warns without torchvision
         image_encoder: CLIPVisionModel | None = None,
         expand_timesteps: bool = False,
+        timesteps: list[float] | None = None,
+        context_noise: float = 0.0,
     ):
-        super().__init__(tokenizer, text_encoder, vae, scheduler, transformer)
+        super().__init__(tokenizer, text_encoder, vae, scheduler, transformer, timesteps, context_noise)
         self.register_modules(image_processor=image_processor, image_encoder=image_encoder)
         self.register_to_config(expand_timesteps=expand_timesteps)
         self._i2v_inputs: dict[str, Any] = {}
@@ -215,8 +221,12 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         cache_tag: str,
         store_kv: bool,
     ) -> dict[str, Any]:
-        """Wan2.1 I2V: the chunk's 20 condition channels and the CLIP tokens; TI2V: the clean first frame."""
+        """Given chunks: their clean latents (whatever ``context_noise`` is); Wan2.1 I2V: the chunk's 20 condition
+        channels and the CLIP tokens; TI2V: the clean first frame."""
         inputs = self._i2v_inputs
+        context = self.context_chunk_latents(chunk_index, start, end)
+        if context is not None:
+            return {"hidden_states": context}
         if inputs.get("layout") == WAN21_I2V:
             kwargs = {"hidden_states": torch.cat([latents_chunk, inputs["condition"][:, :, start:end]], dim=1)}
             if inputs["image_embeds"] is not None:
@@ -229,7 +239,10 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         return {}
 
     def chunk_timestep(self, chunk_index: int, start: int, end: int, timestep: torch.Tensor) -> torch.Tensor:
-        """TI2V: per-frame timesteps ``(B, end - start)`` of chunk 0 with the image frame at 0; else ``timestep``."""
+        """0 for given chunks; TI2V: per-frame timesteps ``(B, end - start)`` of chunk 0 with the image frame at 0;
+        else ``timestep``."""
+        if self.context_chunk_latents(chunk_index, start, end) is not None:
+            return torch.zeros_like(timestep)
         if self._i2v_inputs.get("layout") != TI2V or start != 0:
             return timestep
         frame_timesteps = timestep[:, None].repeat(1, end - start)
@@ -294,10 +307,12 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             if image_embeds.shape[0] not in (1, batch_size):
                 raise ValueError(f"`image_embeds` has batch {image_embeds.shape[0]}; accepted: 1 or {batch_size}.")
 
-        name, frames = ("image", [image]) if image is not None else ("video", None)
         if video is not None:
-            frames = self._video_frames(video)
-        images = [f for frame in frames for f in (frame if isinstance(frame, list) else [frame])]
+            name, images = "video", self._video_frames(video)
+        else:
+            name, images = "image", image if isinstance(image, list) else [image]
+        if not images:
+            raise ValueError("`image` is an empty list; pass one PIL image, or one per video.")
         sizes = set()
         for item in images:
             if isinstance(item, PIL.Image.Image):
@@ -315,8 +330,8 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             else:
                 what = type(item).__name__ if not hasattr(item, "shape") else f"shape {tuple(item.shape)}"
                 raise ValueError(
-                    f"`{name}` must be a PIL image, a (3, H, W) / (B, 3, H, W) tensor in [0, 1], an (H, W, 3) array, "
-                    f"or a list of PIL images, got {what}."
+                    f"`{name}` must be a PIL image, a (3, H, W) / (B, 3, H, W) tensor or an (H, W, 3) array in "
+                    f"[0, 1], or a list of PIL images, got {what}."
                 )
         if image is not None and isinstance(image, list) and len(image) not in (1, batch_size):
             raise ValueError(f"`image` is a list of {len(image)} images; accepted: 1 or {batch_size}.")
@@ -380,8 +395,9 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             config = self.transformer.config
             fits = [(end - 1) * temporal + 1 for end in ends[:-1]]
             hint = (
-                " A single image is a chunk of its own only with `independent_first_frame=True` (load with "
-                "`from_pretrained(..., independent_first_frame=True)` for a student trained that way)."
+                " A single image is a chunk of its own only with `independent_first_frame=True` (for a student "
+                "trained that way: `WanCausalTransformer3DModel.from_pretrained(path, subfolder='transformer', "
+                "independent_first_frame=True)`); otherwise extend a `video` clip."
                 if num_pixel_frames == 1
                 else ""
             )
@@ -459,7 +475,8 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             chunk_size (`int`, *optional*):
                 Latent frames per chunk; defaults to the transformer's `chunk_size`.
             context_noise (`float`, defaults to `0.0`):
-                Timestep of the pass that writes each finished (or given) chunk into the KV cache.
+                Timestep of the pass that writes each generated chunk into the KV cache (given chunks are written
+                clean, at 0).
             generator (`torch.Generator` or `list[torch.Generator]`, *optional*):
                 RNG(s) for the initial noise, the scheduler's re-noising and the context noise.
             latents (`torch.Tensor`, *optional*):

@@ -13,7 +13,6 @@ from diffusers import AutoencoderKLWan, DiffusionPipeline, FlowMatchEulerDiscret
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.pipelines.wan.pipeline_wan_vace import WanVACEPipeline
-from diffusers.video_processor import VideoProcessor
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from ..models import VACEHintCache, WanCausalVACETransformer3DModel
@@ -81,6 +80,8 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         transformer ([`WanCausalVACETransformer3DModel`]): the causal VACE transformer.
     """
 
+    _transformer_class = WanCausalVACETransformer3DModel
+
     def __init__(
         self,
         tokenizer: AutoTokenizer | None,
@@ -88,20 +89,10 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         vae: AutoencoderKLWan,
         scheduler: FlowMatchEulerDiscreteScheduler,
         transformer: WanCausalVACETransformer3DModel,
+        timesteps: list[float] | None = None,
+        context_noise: float = 0.0,
     ):
-        DiffusionPipeline.__init__(self)
-        if not isinstance(transformer, WanCausalVACETransformer3DModel):
-            raise ValueError(
-                f"`transformer` must be a WanCausalVACETransformer3DModel, got {type(transformer).__name__}. Convert "
-                "a plain VACE transformer with `causal_transformer_from_wan_vace(transformer)` (weights are shared), "
-                "or load with `WanCausalVACEPipeline.from_pretrained` / `from_pipe`, which convert it."
-            )
-        self.register_modules(
-            vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, scheduler=scheduler
-        )
-        self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal if getattr(self, "vae", None) else 4
-        self.vae_scale_factor_spatial = self.vae.config.scale_factor_spatial if getattr(self, "vae", None) else 8
-        self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
+        super().__init__(tokenizer, text_encoder, vae, scheduler, transformer, timesteps, context_noise)
         self._vace_control = None
         self._vace_scale = None
         self._vace_hint_cache = None

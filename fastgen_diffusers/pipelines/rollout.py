@@ -41,6 +41,7 @@ import torch
 from diffusers.utils.torch_utils import get_module_execution_device, randn_tensor
 
 from ..chunking import chunk_bounds, chunk_layout
+from ..kv_cache import ENGINE_KINDS, make_engines
 from ..parallel import is_main_process
 from .live import MAIN_BRANCH, KeptRollout, LiveRolloutMixin, RolloutChunk, branch_cache_tags
 from .streaming_decode import StreamingWanDecoder
@@ -136,6 +137,49 @@ class CausalRolloutMixin(LiveRolloutMixin):
         chunk_size = config.chunk_size if chunk_size is None else chunk_size
         return chunk_bounds(chunk_layout(num_latent_frames, chunk_size, config.independent_first_frame))
 
+    def configure_kv_cache(
+        self,
+        kv_cache_engine: str | None,
+        attention_window: int | None,
+        sink_frames: int,
+        num_latent_frames: int,
+    ) -> None:
+        """Give the transformer fresh engines of kind ``kv_cache_engine`` (``"static"`` or ``"vanilla"``) with the
+        sliding window ``attention_window`` / ``sink_frames`` (latent frames), sized for ``num_latent_frames``.
+
+        ``kv_cache_engine=None`` keeps the engines the transformer has (e.g. ones set with
+        ``transformer.set_kv_cache_engines``). Called at the start of a rollout, whose caches are empty anyway.
+        """
+        if kv_cache_engine is None:
+            return
+        engines = make_engines(
+            self.transformer,
+            kv_cache_engine,
+            window_frames=attention_window,
+            sink_frames=sink_frames,
+            max_frames=num_latent_frames,
+        )
+        self.transformer.set_kv_cache_engines(engines)
+
+    @staticmethod
+    def check_kv_cache_inputs(kv_cache_engine: str | None, attention_window: int | None, sink_frames: int) -> None:
+        """Raise ``ValueError`` for an engine kind or window the engines cannot serve."""
+        if kv_cache_engine is not None and kv_cache_engine not in ENGINE_KINDS:
+            raise ValueError(f"`kv_cache_engine` must be one of {ENGINE_KINDS} or None, got {kv_cache_engine!r}.")
+        if kv_cache_engine is None and (attention_window is not None or sink_frames):
+            raise ValueError("`attention_window`/`sink_frames` need a `kv_cache_engine` ('static' or 'vanilla').")
+        if attention_window is not None and (not isinstance(attention_window, int) or attention_window < 1):
+            raise ValueError(
+                f"`attention_window` must be a positive number of latent frames or None, got {attention_window!r}."
+            )
+        if not isinstance(sink_frames, int) or sink_frames < 0:
+            raise ValueError(f"`sink_frames` must be a non-negative number of latent frames, got {sink_frames!r}.")
+        if sink_frames and (attention_window is None or sink_frames >= attention_window):
+            raise ValueError(
+                f"`sink_frames={sink_frames}` must be smaller than `attention_window` ({attention_window}): the sink "
+                "lives inside the window."
+            )
+
     def check_rollout_inputs(
         self,
         num_latent_frames: int,
@@ -151,10 +195,11 @@ class CausalRolloutMixin(LiveRolloutMixin):
             not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
         ):
             raise ValueError(f"`chunk_size` must be a positive number of latent frames or None, got {chunk_size!r}.")
-        if num_latent_frames > config.rope_max_seq_len:
+        if num_latent_frames > config.rope_max_seq_len and not getattr(self.transformer, "rope_rebasing", False):
             raise ValueError(
                 f"{num_latent_frames} latent frames run past the transformer's RoPE table of "
-                f"{config.rope_max_seq_len} frames (`rope_max_seq_len`); ask for fewer `num_frames`."
+                f"{config.rope_max_seq_len} frames (`rope_max_seq_len`); ask for fewer `num_frames`, or call "
+                "`pipe.transformer.enable_rope_rebasing()` (with an `attention_window`) for longer videos."
             )
         for start, end in self.rollout_chunk_bounds(num_latent_frames, chunk_size):
             served = self.transformer.chunk_layout_for(end - start, start)
