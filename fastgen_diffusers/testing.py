@@ -14,8 +14,8 @@ import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
-from .models import WanCausalTransformer3DModel
-from .pipelines import WanCausalPipeline
+from .models import WanCausalTransformer3DModel, WanCausalVACETransformer3DModel
+from .pipelines import WanCausalPipeline, WanCausalVACEPipeline
 
 TINY_TEXT_DIM = 32
 TINY_TRANSFORMER_CONFIG = {
@@ -98,6 +98,16 @@ def tiny_components(seed: int = 0, **transformer_overrides) -> dict:
         "scheduler": tiny_scheduler(),
         "transformer": tiny_transformer(seed, **transformer_overrides),
     }
+
+
+def tiny_vace_pipeline(seed: int = 0, **transformer_overrides) -> WanCausalVACEPipeline:
+    """A random-weight [`WanCausalVACEPipeline`]: the tiny components with a causal VACE transformer (VACE on both
+    layers)."""
+    components = tiny_components(seed)
+    config = {**TINY_TRANSFORMER_CONFIG, "vace_layers": (0, 1), "vace_in_channels": 96, **transformer_overrides}
+    with _seeded(seed):
+        components["transformer"] = WanCausalVACETransformer3DModel(**config).eval()
+    return WanCausalVACEPipeline(**components)
 
 
 def tiny_pipeline(seed: int = 0, **transformer_overrides) -> WanCausalPipeline:

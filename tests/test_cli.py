@@ -52,3 +52,36 @@ def test_bad_arguments_exit_with_a_usage_error(capsys):
     assert "--prompt" in capsys.readouterr().err
     with pytest.raises(ValueError, match="`num_frames`"):
         cli.main(["generate", "--prompt", "a fox", "--num-frames", "8"])
+
+
+def test_generate_streams_with_an_attention_window(tmp_path, capsys):
+    output = tmp_path / "stream.mp4"
+    args = ["generate", "--prompt", "a fox", "--output", str(output), "--num-frames", "21", "--height", "32"]
+    args += ["--width", "32", "--steps", "2", "--stream", "--attention-window", "4", "--sink-frames", "1"]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "First 9 frames after" in printed and "Streamed 21 frames" in printed
+    assert len(read_frames(output)) == 21
+
+
+def test_generate_with_vace_control_and_image_flags(tmp_path, capsys):
+    import imageio
+
+    control = tmp_path / "control.mp4"
+    with imageio.get_writer(control, fps=8) as writer:
+        for value in range(0, 255, 28):
+            writer.append_data(np.full((32, 32, 3), value, dtype=np.uint8))
+    output = tmp_path / "vace.mp4"
+    args = ["generate", "--prompt", "a fox", "--output", str(output), "--num-frames", "9", "--height", "32"]
+    assert cli.main([*args, "--width", "32", "--steps", "1", "--control-video", str(control)]) == 0
+    assert "(9 frames, 32x32" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--control-video"):
+        cli.main([*args, "--control-video", str(tmp_path / "missing.mp4")])
+    with pytest.raises(ValueError, match="cannot be combined"):
+        cli.main([*args, "--control-video", str(control), "--video", str(control)])
+
+
+def test_convert_is_a_subcommand(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["convert", "--help"])
+    assert "--checkpoint" in capsys.readouterr().out

@@ -23,6 +23,8 @@ def test_quickstart_notebook_executes_on_the_tiny_model(tmp_path, monkeypatch):
     assert "built-in tiny model (random weights)" in printed
     assert "WanCausalTransformer3DModel | chunk_size: 3" in printed
     assert "21 frames of 64x64" in printed
+    assert "streamed == pipe(...): True" in printed
+    assert "layout: t2v-student" in printed and "(21, 64, 64, 3)" in printed
     assert (tmp_path / "quickstart.mp4").stat().st_size > 0
     last = outputs[max(outputs)][0]
     assert last["output_type"] == "execute_result" and "<video" in last["data"]["text/html"]

@@ -441,6 +441,9 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' signature)
         max_sequence_length: int = 512,
         keep_cache: bool = False,
+        attention_window: int | None = None,
+        sink_frames: int = 0,
+        kv_cache_engine: str | None = "static",
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -504,6 +507,12 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 Text tokens of the prompt encoding.
             keep_cache (`bool`, defaults to `False`):
                 Keep the KV caches after the call; by default they are freed.
+            attention_window (`int`, *optional*):
+                Sliding attention window in latent frames (own frames and sink included); see [`WanCausalPipeline`].
+            sink_frames (`int`, defaults to `0`):
+                First latent frames that stay inside the window for ever.
+            kv_cache_engine (`str`, *optional*, defaults to `"static"`):
+                `"static"`, `"vanilla"` or `None` (keep the transformer's engines).
 
         Examples:
 
@@ -522,6 +531,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         else:
             batch_size = prompt_embeds.shape[0] if isinstance(prompt_embeds, torch.Tensor) else 1
         height, width = self.check_image_inputs(image, video, image_embeds, height, width, batch_size)
+        self.check_kv_cache_inputs(kv_cache_engine, attention_window, sink_frames)
         self.check_inputs(
             prompt,
             negative_prompt,
@@ -596,6 +606,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             latents,
         )
         chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
+        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, latents.shape[2])
 
         # 5. Denoising loop: the shared causal rollout, conditioned through the hooks above
         video_latents = latents.clone()

@@ -268,6 +268,9 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         keep_cache: bool = False,
         vace_hint_refresh_interval: int = 1,
         allow_lossy: bool = False,
+        attention_window: int | None = None,
+        sink_frames: int = 0,
+        kv_cache_engine: str | None = "static",
     ) -> WanPipelineOutput | tuple:
         r"""
         Generate a video steered by a control video, its mask and reference images.
@@ -289,6 +292,8 @@ class WanCausalVACEPipeline(WanCausalPipeline):
                 `allow_lossy=True`). Cache-filling passes always recompute them.
             allow_lossy (`bool`, defaults to `False`):
                 Required for `vace_hint_refresh_interval > 1`.
+            attention_window, sink_frames, kv_cache_engine:
+                The KV-cache engines of both branches ("main" and "vace"), as in [`WanCausalPipeline.__call__`].
 
         Returns:
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`, as [`WanCausalPipeline`].
@@ -309,6 +314,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
             allow_lossy,
         )
         total_frames = num_frames + num_refs * self.vae_scale_factor_temporal
+        self.check_kv_cache_inputs(kv_cache_engine, attention_window, sink_frames)
         self.check_inputs(
             prompt,
             negative_prompt,
@@ -371,6 +377,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
             self._vace_hint_cache = VACEHintCache(vace_hint_refresh_interval, allow_lossy=allow_lossy)
 
         # 4. The causal rollout, chunk by chunk
+        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, latents.shape[2])
         video_latents = latents.clone()
         try:
             for chunk in self.rollout(
