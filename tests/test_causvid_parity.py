@@ -1,6 +1,6 @@
 """Parity with CausVid's own causal inference: replay every recorded transformer call through our cache protocol.
 
-``../shared/reference/causvid_tiny`` (see its README) holds a tiny random Wan model and every call CausVid's
+``tests/data/causvid_tiny`` (a copy of the team's ``shared/reference/causvid_tiny``; see its README) holds a tiny random Wan model and every call CausVid's
 ``InferencePipeline.inference()`` made with it: per-chunk denoising calls, the cache-refresh ("context") call at
 t=0 after each chunk, and, for the video-extension variant, a prefill call with clean start latents.
 """
@@ -16,14 +16,12 @@ from safetensors.torch import load_file
 
 from fastgen_diffusers import WanCausalTransformer3DModel
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "causvid_tiny"
+REFERENCE = Path(__file__).resolve().parent / "data" / "causvid_tiny"
 VARIANTS = ("main", "warp4", "startlat3")
 
 
 @pytest.fixture(scope="module")
 def reference():
-    if not REFERENCE.is_dir():
-        pytest.fail(f"CausVid reference data not found at {REFERENCE}")
     meta = json.loads((REFERENCE / "meta.json").read_text())
     inputs = load_file(REFERENCE / "inputs.safetensors")
     outputs = load_file(REFERENCE / "outputs.safetensors")
