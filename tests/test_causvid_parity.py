@@ -1,8 +1,9 @@
 """Parity with CausVid's own causal inference: replay every recorded transformer call through our cache protocol.
 
-``tests/data/causvid_tiny`` (a copy of the team's ``shared/reference/causvid_tiny``; see its README) holds a tiny random Wan model and every call CausVid's
-``InferencePipeline.inference()`` made with it: per-chunk denoising calls, the cache-refresh ("context") call at
-t=0 after each chunk, and, for the video-extension variant, a prefill call with clean start latents.
+``tests/data/causvid_tiny`` (a copy of the team's ``shared/reference/causvid_tiny``; see its README) holds a tiny
+random Wan model and every call CausVid's ``InferencePipeline.inference()`` made with it: per-chunk denoising calls,
+the cache-refresh ("context") call at t=0 after each chunk, and, for the video-extension variant, a prefill call
+with clean start latents.
 """
 
 from __future__ import annotations
