@@ -47,31 +47,33 @@ def run_chunk(model, latents, text, start: int) -> None:
 
 
 @torch.no_grad()
-def chunk_times(model, measure_at: tuple[int, ...], reps: int, **window) -> dict[str, dict[int, float]]:
-    """Best-of-``reps`` seconds of chunk ``k`` (1-based) for each ``k`` in ``measure_at`` and each engine kind, along
-    one rollout per kind; the kinds' repetitions are interleaved so that load on the machine hits both alike."""
-    max_frames = CHUNK * max(measure_at)
-    models = {kind: copy.deepcopy(model) for kind in KINDS}
-    for kind, copy_ in models.items():
-        copy_.set_kv_cache_engines(make_engines(copy_, kind, max_frames=max_frames, **window))
-    latents, text = torch.randn(1, 16, CHUNK, 16, 16), torch.randn(1, 64, 64)
-    times = {kind: {} for kind in KINDS}
-    for index in range(max(measure_at)):
-        start = CHUNK * index
-        if index + 1 in measure_at:
-            samples = {kind: [] for kind in KINDS}
-            for _ in range(reps):
-                for kind, copy_ in models.items():
-                    begin = time.perf_counter()
-                    run_chunk(copy_, latents, text, start)
-                    samples[kind].append(time.perf_counter() - begin)
-                    for engine in copy_.kv_cache_engines.values():
-                        engine.rewind("pos", CHUNK)
-            for kind in KINDS:
-                times[kind][index + 1] = min(samples[kind])
-        for copy_ in models.values():
-            copy_(latents, torch.zeros(1), text, start_frame=start, store_kv=True)
-    return times
+def chunk_times(
+    model, measure_at: tuple[int, ...], reps: int, latent_size: int = 16, **window
+) -> dict[str, dict[int, float]]:
+    """Best-of-``reps`` seconds of chunk ``k`` (1-based) for each ``k`` in ``measure_at`` and each engine kind.
+
+    Each kind rolls out once; at every ``k`` a snapshot (deep copy) of the model and its cache is taken. All snapshots
+    are then timed round-robin, so that load or clock changes on the machine hit every figure alike (timing chunk 5
+    early and chunk 50 minutes later would compare two machine states, not two cache states).
+    """
+    latents, text = torch.randn(1, 16, CHUNK, latent_size, latent_size), torch.randn(1, 64, 64)
+    snapshots = {}
+    for kind in KINDS:
+        rolling = copy.deepcopy(model)
+        rolling.set_kv_cache_engines(make_engines(rolling, kind, max_frames=CHUNK * max(measure_at), **window))
+        for index in range(max(measure_at)):
+            if index + 1 in measure_at:
+                snapshots[kind, index + 1] = copy.deepcopy(rolling)
+            rolling(latents, torch.zeros(1), text, start_frame=CHUNK * index, store_kv=True)
+    samples = {key: [] for key in snapshots}
+    for _ in range(reps):
+        for (kind, k), snapshot in snapshots.items():
+            begin = time.perf_counter()
+            run_chunk(snapshot, latents, text, CHUNK * (k - 1))
+            samples[kind, k].append(time.perf_counter() - begin)
+            for engine in snapshot.kv_cache_engines.values():
+                engine.rewind("pos", CHUNK)
+    return {kind: {k: min(samples[kind, k]) for k in measure_at} for kind in KINDS}
 
 
 @torch.no_grad()
@@ -90,16 +92,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--late-chunk", type=int, default=20, help="chunk N of the unwindowed comparison")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--latent-size", type=int, default=16, help="latent height = width (16: 64 tokens per frame, 32: 256)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model()
     window = {"window_frames": 12, "sink_frames": 3}
-    print(f"torch {torch.__version__}, {args.threads} thread(s), best of {args.reps}; ms per chunk (5 calls)")
+    tokens = (args.latent_size // 2) ** 2
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), best of {args.reps}; {tokens} tokens per latent frame; "
+        "ms per chunk (5 calls)"
+    )
 
     late = args.late_chunk
     rows = []
     for label, options, points in (("no window", {}, (5, late)), ("window 12, sink 3", window, (5, 50))):
-        times = chunk_times(model, points, args.reps, **options)
+        times = chunk_times(model, points, args.reps, args.latent_size, **options)
         static, vanilla = times["static"], times["vanilla"]
         for point in points:
             rows.append((label, point, static[point], vanilla[point]))
