@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from diffusers.configuration_utils import register_to_config
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (saved pipelines resolve classes through it)
 from diffusers.models.transformers.transformer_wan_vace import WanVACETransformer3DModel
 from diffusers.utils import apply_lora_scale
 from torch import nn

@@ -19,7 +19,7 @@ import inspect
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,7 +28,10 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..chunking import chunk_bounds, chunk_layout
+from ..parallel import is_main_process
 from .streaming_decode import StreamingWanDecoder
+
+OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 
 MAIN_BRANCH = "main"
 
@@ -140,13 +143,15 @@ class LiveRolloutMixin:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         output_type = bound.arguments["output_type"]
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
         bound.arguments["output_type"] = "latent"
         events: queue.Queue = queue.Queue()
         replies: queue.Queue = queue.Queue()
 
         def on_chunk_done(chunk) -> None:  # worker thread, inside the rollout
             events.put(("chunk", chunk))
-            if not replies.get():
+            if not replies.get() and not chunk.is_last:  # a consumer that stops after the last chunk got it all
                 raise _StreamClosed
 
         def work() -> None:
@@ -186,7 +191,7 @@ class LiveRolloutMixin:
         """Decode the video frames of a finished chunk (reference frames excluded) into a [`StreamChunk`]."""
         skip = max(0, self._num_reference_latent_frames - chunk.start)
         latents = chunk.latents[:, :, skip:]
-        if decoder is None:
+        if decoder is None or not is_main_process(self.transformer):  # under context parallelism rank 0 decodes
             return StreamChunk(chunk.chunk_index, chunk.start, chunk.end, chunk.latents, None, 0)
         frame_start = decoder.num_decoded_frames
         frames = None
@@ -405,6 +410,10 @@ class LiveRolloutMixin:
         temporal = self.vae_scale_factor_temporal
         if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1 or num_frames % temporal:
             raise ValueError(f"`num_frames` must be a positive multiple of {temporal}, got {num_frames!r}.")
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
+            raise ValueError(f"`chunk_size` must be a positive number of latent frames or None, got {chunk_size!r}.")
         chunk_size = self.transformer.config.chunk_size if chunk_size is None else chunk_size
         start = kept.num_latent_frames
         bounds = [(start + s, start + e) for s, e in chunk_bounds(chunk_layout(num_frames // temporal, chunk_size))]
@@ -445,13 +454,16 @@ class LiveRolloutMixin:
         if not kept.chunks:
             raise ValueError(f"The kept rollout on branch {branch!r} holds no chunk to redo.")
         last = kept.chunks[-1]
-        for engine in self.transformer.kv_cache_engines.values():
-            for tag in kept.cache_tags:
-                engine.truncate(tag, last.start)
-        self._kept_rollouts[branch] = replace(kept, chunks=kept.chunks[:-1])
+
+        def drop_last_chunk() -> None:  # runs once every input is checked, so a bad input leaves the chunk kept
+            for engine in self.transformer.kv_cache_engines.values():
+                for tag in kept.cache_tags:
+                    engine.truncate(tag, last.start)
+            self._kept_rollouts[branch] = replace(kept, chunks=kept.chunks[:-1])
+
         return self._resume_rollout(
             branch, [(last.start, last.end)], last.latents.shape, prompt, prompt_embeds, recache, generator, latents,
-            output_type, return_dict, max_sequence_length,
+            output_type, return_dict, max_sequence_length, before_rollout=drop_last_chunk,
         )  # fmt: skip
 
     def _resume_rollout(
@@ -467,10 +479,13 @@ class LiveRolloutMixin:
         output_type: str,
         return_dict: bool,
         max_sequence_length: int,
+        before_rollout: Callable[[], None] | None = None,
     ) -> WanPipelineOutput | tuple:
         """Run the rollout on ``bounds`` after the kept chunks of ``branch`` and decode the branch's whole video.
 
         ``kept_shape`` is the ``(B, C, F, H, W)`` shape of a kept chunk's latents (the new noise has its B, C, H, W).
+        ``before_rollout`` runs once every input is checked and encoded, right before the rollout (``redo`` drops
+        the chunk it regenerates there, so that a bad input leaves the kept rollout as it was).
         """
         if not self._resumable_rollouts:
             raise NotImplementedError(
@@ -479,14 +494,21 @@ class LiveRolloutMixin:
             )
         if prompt is not None and prompt_embeds is not None:
             raise ValueError("Pass either `prompt` or `prompt_embeds`, not both.")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
+        config = self.transformer.config
+        if bounds[-1][1] > config.rope_max_seq_len and not getattr(self.transformer, "rope_rebasing", False):
+            raise ValueError(
+                f"Continuing to latent frame {bounds[-1][1]} runs past the RoPE table of {config.rope_max_seq_len} "
+                "frames; call `pipe.transformer.enable_rope_rebasing()` (with an `attention_window`) to go on."
+            )
         kept = self.kept_rollout(branch)
         device = self._execution_device
-        switches = {}
+        new_embeds = None
         if prompt is not None or prompt_embeds is not None:
             new_embeds = self.encode_prompt_switches(
                 {0: prompt_embeds if prompt is None else prompt}, kept.prompt_embeds, max_sequence_length, device
             )[0]
-            switches = {len(kept.chunks): new_embeds}
         batch, channels, _, height, width = kept_shape
         shape = (batch, channels, bounds[-1][1] - bounds[0][0], height, width)
         if latents is None:
@@ -494,6 +516,10 @@ class LiveRolloutMixin:
         elif tuple(latents.shape) != shape:
             raise ValueError(f"`latents` must have shape {shape} (B, C, F, H, W), got {tuple(latents.shape)}.")
         past = torch.zeros(shape[:2] + (bounds[0][0],) + shape[3:], device=device, dtype=torch.float32)
+        if before_rollout is not None:
+            before_rollout()
+        kept = self.kept_rollout(branch)
+        switches = {} if new_embeds is None else {len(kept.chunks): new_embeds}
         for _ in self.rollout(
             torch.cat([past, latents.to(device, torch.float32)], dim=2),
             kept.prompt_embeds,

@@ -31,11 +31,11 @@ from diffusers.video_processor import VideoProcessor
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from ..models import WanCausalTransformer3DModel
+from .live import OUTPUT_TYPES
 from .rollout import CausalRolloutMixin
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 
-OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 CAUSAL_SHIFT = 5.0
 HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision")
 CAUSAL_CONFIG_KEYS = ("chunk_size", "independent_first_frame")
@@ -439,10 +439,9 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
 
-        if timesteps is None and sigmas is None and num_inference_steps is None:
-            timesteps = self.config.get("timesteps")
-        num_inference_steps = 4 if num_inference_steps is None else num_inference_steps
-        context_noise = self.config.get("context_noise", 0.0) if context_noise is None else context_noise
+        num_inference_steps, timesteps, context_noise = self.resolve_sampling_defaults(
+            num_inference_steps, timesteps, sigmas, context_noise
+        )
 
         # 1. Check inputs. Raise error if not correct
         self.check_kv_cache_inputs(kv_cache_engine, attention_window, sink_frames)
@@ -466,6 +465,10 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             output_type,
             callback_on_step_end_tensor_inputs,
             max_sequence_length,
+        )
+        num_latent_frames = (num_frames - 1) // self.vae_scale_factor_temporal + 1
+        self.check_window_fits_chunks(
+            attention_window, sink_frames, self.rollout_chunk_bounds(num_latent_frames, chunk_size)
         )
         self._guidance_scale = guidance_scale
         self._attention_kwargs = attention_kwargs
@@ -513,7 +516,8 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             latents,
         )
         chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
-        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, latents.shape[2])
+        switches_by_chunk = self.prompt_switch_chunks(prompt_switches, chunk_bounds)  # may raise: before any reset
+        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, chunk_bounds)
 
         # 6. Denoising loop: the causal rollout, chunk by chunk
         video_latents = latents.clone()
@@ -530,7 +534,7 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
             keep_cache=keep_cache,
-            prompt_switches=self.prompt_switch_chunks(prompt_switches, chunk_bounds),
+            prompt_switches=switches_by_chunk,
             recache=recache,
         ):
             video_latents[:, :, chunk.start : chunk.end] = chunk.latents

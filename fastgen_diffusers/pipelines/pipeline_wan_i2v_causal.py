@@ -143,6 +143,8 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
     model_cpu_offload_seq = "text_encoder->image_encoder->transformer->vae"
     _optional_components = ["tokenizer", "text_encoder", "image_processor", "image_encoder"]
 
+    _resumable_rollouts = False  # the image conditioning of a call is not kept
+
     def __init__(
         self,
         tokenizer: AutoTokenizer | None,
@@ -420,12 +422,12 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         height: int | None = None,
         width: int | None = None,
         num_frames: int = 81,
-        num_inference_steps: int = 4,
+        num_inference_steps: int | None = None,
         timesteps: Sequence[float] | None = None,
         sigmas: Sequence[float] | None = None,
         guidance_scale: float = 1.0,
         chunk_size: int | None = None,
-        context_noise: float = 0.0,
+        context_noise: float | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
         prompt_embeds: torch.Tensor | None = None,
@@ -522,6 +524,9 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         """
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        num_inference_steps, timesteps, context_noise = self.resolve_sampling_defaults(
+            num_inference_steps, timesteps, sigmas, context_noise
+        )
 
         # 1. Check inputs. Raise error if not correct
         if isinstance(prompt, str):
@@ -606,7 +611,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             latents,
         )
         chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
-        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, latents.shape[2])
+        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, chunk_bounds)
 
         # 5. Denoising loop: the shared causal rollout, conditioned through the hooks above
         video_latents = latents.clone()

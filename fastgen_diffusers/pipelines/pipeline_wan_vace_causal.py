@@ -81,6 +81,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
     """
 
     _transformer_class = WanCausalVACETransformer3DModel
+    _resumable_rollouts = False  # the control inputs of a call are not kept
 
     def __init__(
         self,
@@ -104,7 +105,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         `transformer` subfolder loads as a [`WanCausalVACETransformer3DModel`] with bit-identical weights. Otherwise
         as [`WanCausalPipeline.from_pretrained`]."""
         if "transformer" not in kwargs:
-            torch_dtype = kwargs.get("torch_dtype")
+            torch_dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))  # diffusers 0.42 renamed `torch_dtype`
             if isinstance(torch_dtype, dict):
                 torch_dtype = torch_dtype.get("transformer", torch_dtype.get("default"))
             model_kwargs = {
@@ -113,7 +114,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
                 if key in kwargs
             }
             kwargs["transformer"] = WanCausalVACETransformer3DModel.from_pretrained(
-                pretrained_model_name_or_path, subfolder="transformer", torch_dtype=torch_dtype, **model_kwargs
+                pretrained_model_name_or_path, subfolder="transformer", dtype=torch_dtype, **model_kwargs
             )
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
@@ -246,12 +247,12 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         height: int = 480,
         width: int = 832,
         num_frames: int = 81,
-        num_inference_steps: int = 4,
+        num_inference_steps: int | None = None,
         timesteps: Sequence[float] | None = None,
         sigmas: Sequence[float] | None = None,
         guidance_scale: float = 1.0,
         chunk_size: int | None = None,
-        context_noise: float = 0.0,
+        context_noise: float | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
         prompt_embeds: torch.Tensor | None = None,
@@ -300,6 +301,9 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         """
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        num_inference_steps, timesteps, context_noise = self.resolve_sampling_defaults(
+            num_inference_steps, timesteps, sigmas, context_noise
+        )
 
         # 1. Check inputs (before any model work); references add leading latent frames
         num_refs = self.check_vace_inputs(
@@ -377,14 +381,15 @@ class WanCausalVACEPipeline(WanCausalPipeline):
             self._vace_hint_cache = VACEHintCache(vace_hint_refresh_interval, allow_lossy=allow_lossy)
 
         # 4. The causal rollout, chunk by chunk
-        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, latents.shape[2])
+        chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
+        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, chunk_bounds)
         video_latents = latents.clone()
         try:
             for chunk in self.rollout(
                 latents,
                 prompt_embeds,
                 negative_prompt_embeds,
-                chunk_bounds=self.rollout_chunk_bounds(latents.shape[2], chunk_size),
+                chunk_bounds=chunk_bounds,
                 schedule=self.rollout_schedule(num_inference_steps, timesteps, sigmas),
                 guidance_scale=guidance_scale,
                 context_noise=context_noise,

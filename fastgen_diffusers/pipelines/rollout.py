@@ -56,12 +56,14 @@ class ChunkOutput:
         start: absolute index of the chunk's first latent frame.
         end: one past its last latent frame.
         latents: ``(B, C, end - start, H, W)`` clean latents of the chunk (float32, the x0 of the last step).
+        is_last: whether it is the last chunk of the rollout.
     """
 
     chunk_index: int
     start: int
     end: int
     latents: torch.Tensor
+    is_last: bool = False
 
 
 class CausalRolloutMixin(LiveRolloutMixin):
@@ -142,24 +144,56 @@ class CausalRolloutMixin(LiveRolloutMixin):
         kv_cache_engine: str | None,
         attention_window: int | None,
         sink_frames: int,
-        num_latent_frames: int,
+        chunk_bounds: Sequence[tuple[int, int]],
     ) -> None:
         """Give the transformer fresh engines of kind ``kv_cache_engine`` (``"static"`` or ``"vanilla"``) with the
-        sliding window ``attention_window`` / ``sink_frames`` (latent frames), sized for ``num_latent_frames``.
+        sliding window ``attention_window`` / ``sink_frames`` (latent frames), sized for the rollout's chunks.
 
         ``kv_cache_engine=None`` keeps the engines the transformer has (e.g. ones set with
         ``transformer.set_kv_cache_engines``). Called at the start of a rollout, whose caches are empty anyway.
         """
+        self.check_window_fits_chunks(attention_window, sink_frames, chunk_bounds)
         if kv_cache_engine is None:
             return
+        self.discard_rollout()  # kept rollouts live in the engines being replaced
         engines = make_engines(
             self.transformer,
             kv_cache_engine,
             window_frames=attention_window,
             sink_frames=sink_frames,
-            max_frames=num_latent_frames,
+            max_frames=chunk_bounds[-1][1],
         )
         self.transformer.set_kv_cache_engines(engines)
+
+    def resolve_sampling_defaults(
+        self,
+        num_inference_steps: int | None,
+        timesteps: Sequence[float] | None,
+        sigmas: Sequence[float] | None,
+        context_noise: float | None,
+    ) -> tuple[int, Sequence[float] | None, float]:
+        """``(num_inference_steps, timesteps, context_noise)``, the pipeline's stored sampling settings (a converted
+        student's ``timesteps`` / ``context_noise``) filling what the call leaves out; else 4 steps and 0."""
+        if timesteps is None and sigmas is None and num_inference_steps is None:
+            timesteps = self.config.get("timesteps")
+        num_inference_steps = 4 if num_inference_steps is None else num_inference_steps
+        context_noise = self.config.get("context_noise", 0.0) if context_noise is None else context_noise
+        return num_inference_steps, timesteps, context_noise
+
+    @staticmethod
+    def check_window_fits_chunks(
+        attention_window: int | None, sink_frames: int, chunk_bounds: Sequence[tuple[int, int]]
+    ) -> None:
+        """Raise ``ValueError`` when a chunk cannot fit in the window beside the sink (checked before any work)."""
+        if attention_window is None:
+            return
+        largest = max(end - start for start, end in chunk_bounds)
+        if largest > attention_window - sink_frames:
+            raise ValueError(
+                f"`attention_window={attention_window}` with `sink_frames={sink_frames}` leaves room for "
+                f"{attention_window - sink_frames} frames, but a chunk has {largest} latent frames; use a window of "
+                f"at least {largest + sink_frames} frames."
+            )
 
     @staticmethod
     def check_kv_cache_inputs(kv_cache_engine: str | None, attention_window: int | None, sink_frames: int) -> None:
@@ -474,7 +508,8 @@ class CausalRolloutMixin(LiveRolloutMixin):
                                 store_kv=True,
                             )
                         history.append(RolloutChunk(chunk_index, start, end, clean, context))
-                    output = ChunkOutput(chunk_index, start, end, clean)
+                    is_last = chunk_index == first_index + len(chunk_bounds) - 1
+                    output = ChunkOutput(chunk_index, start, end, clean, is_last)
                     if self._on_chunk_done is not None:
                         self._on_chunk_done(output)
                     yield output
