@@ -36,6 +36,8 @@ class CausalContext:
         image_context_length: image tokens that precede the text tokens in the cross-attention context (Wan2.1 I2V).
         cross_modes: ``id(engine) -> CrossKVMode``, decided once per forward by the model.
         mask_backend: ``"sdpa"`` (boolean mask) or ``"flex"`` (FlexAttention ``BlockMask``) for multi-chunk calls.
+        committed: set once the forward's cache writes are committed; a gradient-checkpointing recompute of its
+            blocks then writes nothing again.
     """
 
     cache_engines: Mapping[str, BaseKVCacheEngine]
@@ -49,6 +51,7 @@ class CausalContext:
     image_context_length: int = 0
     cross_modes: dict[int, CrossKVMode] = field(default_factory=dict)
     mask_backend: str = "sdpa"
+    committed: bool = False
 
     @property
     def is_multi_chunk(self) -> bool:

@@ -215,3 +215,32 @@ def test_rewind_and_copy_tag(tiny_model, latents, prompt_embeds):
     assert torch.equal(expected, tiny_model(latents[:, :, 5:], t, prompt_embeds, start_frame=5).sample)
     with pytest.raises(ValueError, match="stored chunks start at"):
         engine.truncate("fork", 6)
+
+
+def test_inference_mode_tensors_fill_and_reuse_the_cross_cache(tiny_model, latents, prompt_embeds):
+    with torch.inference_mode():
+        embeds = prompt_embeds.clone()  # an inference tensor: it tracks no version counter
+        tiny_model(latents[:, :, :5], torch.zeros(2), embeds, store_kv=True)
+        engine = tiny_model.kv_cache_engines["main"]
+        assert engine.cross_mode("pos", (embeds, None), store_kv=False, grad_enabled=False) is CrossKVMode.READ
+        other = embeds + 1.0
+        assert engine.cross_mode("pos", (other, None), store_kv=False, grad_enabled=False) is CrossKVMode.COMPUTE
+    assert engine.num_stored_frames("pos") == 5
+
+
+def test_gradient_checkpointing_recompute_does_not_write_the_cache_again(latents, prompt_embeds):
+    """Backward re-runs a checkpointed block; a chunk stored since then must stay in the cache."""
+    timesteps = torch.zeros(2)
+    model = make_causal_transformer()
+    model.enable_gradient_checkpointing()
+    model.train()
+    out = model(latents[:, :, :5], timesteps, prompt_embeds, store_kv=True).sample
+    with torch.no_grad():
+        model(latents[:, :, 5:], timesteps, prompt_embeds, start_frame=5, store_kv=True)
+    out.square().mean().backward()
+    reference = make_causal_transformer()
+    with torch.no_grad():
+        reference(latents[:, :, :5], timesteps, prompt_embeds, store_kv=True)
+        reference(latents[:, :, 5:], timesteps, prompt_embeds, start_frame=5, store_kv=True)
+    assert model.kv_cache_bytes() == reference.kv_cache_bytes()
+    assert model.kv_cache_engines["main"].num_stored_frames("pos") == 8

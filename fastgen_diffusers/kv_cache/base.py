@@ -177,12 +177,17 @@ class BaseKVCacheEngine:
             ) from None
 
     def __deepcopy__(self, memo: dict) -> BaseKVCacheEngine:
-        # Registration is keyed by ``id(module)``; a deep copy of the model copies the modules too (through the same
-        # memo), so the copied engine re-keys on the copied modules and resolves its own model's attention.
+        # Registration is keyed by ``id(module)``. A deep copy of the model copies its modules first (``_modules`` is
+        # before ``kv_cache_engines`` in its state), so the copied engine re-keys on the copied modules and
+        # resolves its own model's attention; a copy of the engine alone keeps pointing at the same modules.
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for name, value in self.__dict__.items():
-            setattr(new, name, copy.deepcopy(value, memo))
+            if name == "_registered_blocks":
+                value = [tuple(memo.get(id(module), module) for module in modules) for modules in value]
+                setattr(new, name, value)
+            else:
+                setattr(new, name, copy.deepcopy(value, memo))
         new._rebuild_module_index()
         return new
 
@@ -572,8 +577,9 @@ class BaseKVCacheEngine:
     ) -> None:
         self._cross_kv[block_idx][cache_tag] = CrossKVEntry(key, value, key_img, value_img, is_init=True)
 
-    def mark_cross_filled(self, cache_tag: str, conditioning: tuple[torch.Tensor | None, ...]) -> None:
-        self._tags[cache_tag].cross_source = ConditioningKey(*conditioning)
+    def mark_cross_filled(self, cache_tag: str, source: ConditioningKey) -> None:
+        """Record which conditioning filled the cross K/V of ``cache_tag`` (one key may serve several engines)."""
+        self._tags[cache_tag].cross_source = source
 
     def invalidate_cross(self, cache_tag: str | None = None) -> None:
         """Forget the cross K/V of ``cache_tag`` (every tag when ``None``); the next ``store_kv`` call refills them."""

@@ -17,7 +17,8 @@ class ConditioningKey:
 
     def __init__(self, *tensors: torch.Tensor | None):
         self._refs = [None if t is None else weakref.ref(t) for t in tensors]
-        self._versions = [None if t is None else t._version for t in tensors]
+        # Inference tensors track no version: for them only the value comparison below is trusted.
+        self._versions = [None if t is None or t.is_inference() else t._version for t in tensors]
         self._copies = [None if t is None else t.detach().clone() for t in tensors]
 
     def matches(self, *tensors: torch.Tensor | None) -> bool:
@@ -28,7 +29,7 @@ class ConditioningKey:
                 if tensor is not copy:
                     return False
                 continue
-            if ref() is tensor and tensor._version == version:
+            if version is not None and ref() is tensor and not tensor.is_inference() and tensor._version == version:
                 continue
             if tensor.shape != copy.shape or tensor.dtype != copy.dtype or tensor.device != copy.device:
                 return False

@@ -18,6 +18,7 @@ from torch import nn
 from ..chunking import chunk_layout
 from ..context import CausalContext
 from ..kv_cache import BaseKVCacheEngine, CrossKVMode, KVCacheEngine
+from ..kv_cache.conditioning import ConditioningKey
 from ..parallel import (
     check_context_parallel_config,
     check_frame_tokens,
@@ -240,9 +241,11 @@ class CausalWanMixin:
         )
 
     def _compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of a call's K/V: autocast's, else the activations' (the patch embedding's weights, which
+        layerwise casting and weight quantization leave in the compute dtype; never a storage dtype such as fp8)."""
         if torch.is_autocast_enabled(device.type):
             return torch.get_autocast_dtype(device.type)
-        return self.blocks[0].attn1.to_k.weight.dtype
+        return self.patch_embedding.weight.dtype
 
     def _embed_timesteps(self, frame_timesteps: torch.Tensor, dtype: torch.dtype):
         """Per-frame ``temb`` ``(B, F, D)`` and ``timestep_proj`` ``(B, F, 6, D)`` from a float64 sinusoid."""
@@ -381,7 +384,13 @@ class CausalWanMixin:
         return hidden_states
 
     def _finish_call(self, ctx: CausalContext, conditioning, failed: bool) -> None:
-        """Commit what a ``store_kv`` call wrote, or undo it when the forward failed midway."""
+        """Commit what a ``store_kv`` call wrote, or undo it when the forward failed midway.
+
+        Once committed, the context is marked so that a gradient-checkpointing recompute of its blocks (in backward)
+        writes nothing again.
+        """
+        fills = any(ctx.cross_mode(engine) is CrossKVMode.FILL for engine in self.kv_cache_engines.values())
+        source = ConditioningKey(*conditioning) if fills and not failed else None  # built before any commit
         for engine in self.kv_cache_engines.values():
             filled = ctx.cross_mode(engine) is CrossKVMode.FILL
             if failed:
@@ -391,7 +400,8 @@ class CausalWanMixin:
             if ctx.store_kv:
                 engine.commit_store(ctx.cache_tag, ctx.start_frame, ctx.num_frames)
             if filled:
-                engine.mark_cross_filled(ctx.cache_tag, conditioning)
+                engine.mark_cross_filled(ctx.cache_tag, source)
+        ctx.committed = not failed
 
     def _output_head(self, hidden_states, temb, batch_size, post_f, post_h, post_w) -> torch.Tensor:
         """Per-frame modulated output norm, projection and unpatchify to ``(B, C_out, F, H, W)``.

@@ -121,8 +121,10 @@ class WanCausalAttnProcessor:
             hidden_states = dispatch_attention_fn(query, full_key, full_value, backend=self._attention_backend)
         else:
             hidden_states = masked_attention(query, full_key, full_value, mask)
-        if ctx.store_kv:
-            engine.append_self_kv(block_idx, ctx.cache_tag, key.detach(), value.detach(), ctx.start_frame)
+        if ctx.store_kv and not ctx.committed:
+            # Contiguous: with fused projections `value` is a view that would keep the whole QKV output alive.
+            key, value = key.detach().contiguous(), value.detach().contiguous()
+            engine.append_self_kv(block_idx, ctx.cache_tag, key, value, ctx.start_frame)
         if cp_config is not None:
             hidden_states = heads_to_sequence(hidden_states, ctx.num_frames, cp_config)
 
@@ -165,15 +167,9 @@ class WanCausalCrossAttnProcessor:
             key, value, key_img, value_img = entry.key, entry.value, entry.key_img, entry.value_img
         else:
             key, value, key_img, value_img = self._project_context(attn, encoder_hidden_states, ctx)
-            if mode is CrossKVMode.FILL:
-                engine.set_cross_kv(
-                    block_idx,
-                    ctx.cache_tag,
-                    key.detach(),
-                    value.detach(),
-                    None if key_img is None else key_img.detach(),
-                    None if value_img is None else value_img.detach(),
-                )
+            if mode is CrossKVMode.FILL and not ctx.committed:
+                kept = [None if t is None else t.detach().contiguous() for t in (key, value, key_img, value_img)]
+                engine.set_cross_kv(block_idx, ctx.cache_tag, *kept)
 
         hidden_states = dispatch_attention_fn(query, key, value, backend=self._attention_backend)
         hidden_states = hidden_states.flatten(2, 3).type_as(query)
