@@ -244,3 +244,25 @@ def test_gradient_checkpointing_recompute_does_not_write_the_cache_again(latents
         reference(latents[:, :, 5:], timesteps, prompt_embeds, start_frame=5, store_kv=True)
     assert model.kv_cache_bytes() == reference.kv_cache_bytes()
     assert model.kv_cache_engines["main"].num_stored_frames("pos") == 8
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "static"])
+@torch.no_grad()
+def test_a_multi_chunk_store_leaves_every_chunk_boundary_usable(latents, prompt_embeds, kind):
+    """Teacher forcing stores [0, 8) in one call (chunks 5 + 3); redoing the last chunk then works like a rollout."""
+    from fastgen_diffusers import make_engines
+
+    timesteps = torch.rand(2, 8, generator=torch.Generator().manual_seed(4)) * 1000
+    model = make_causal_transformer()
+    model.set_kv_cache_engines(make_engines(model, kind))
+    model(latents, timesteps, prompt_embeds, store_kv=True)
+    engine = model.kv_cache_engines["main"]
+    assert engine.tag_state("pos").chunk_starts == [0, 5]
+    engine.rewind("pos", 3)
+    assert engine.num_stored_frames("pos") == 5
+    redone = model(latents[:, :, 5:], timesteps[:, 5:], prompt_embeds, start_frame=5, return_dict=False)[0]
+    reference = make_causal_transformer()
+    reference(latents[:, :, :5], timesteps[:, :5], prompt_embeds, store_kv=True)
+    expected = reference(latents[:, :, 5:], timesteps[:, 5:], prompt_embeds, start_frame=5, return_dict=False)[0]
+    assert (redone - expected).abs().max().item() <= 1e-5
+    assert model.kv_cache_bytes() == reference.kv_cache_bytes()

@@ -463,10 +463,16 @@ class BaseKVCacheEngine:
             return key, value
         return torch.cat([*keys, key], dim=1), torch.cat([*values, value], dim=1)
 
-    def commit_store(self, cache_tag: str, start_frame: int, num_frames: int) -> None:
-        """Record, once every block has appended, that frames ``[start_frame, start_frame + num_frames)`` exist."""
+    def commit_store(
+        self, cache_tag: str, start_frame: int, num_frames: int, chunk_layout: Sequence[int] | None = None
+    ) -> None:
+        """Record, once every block has appended, that frames ``[start_frame, start_frame + num_frames)`` exist, as
+        the chunks ``chunk_layout`` (frame counts; one chunk when ``None``), each a boundary a later call may use."""
         state = self._tags[cache_tag]
-        state.chunk_starts = [s for s in state.chunk_starts if s < start_frame] + [start_frame]
+        starts = [start_frame]
+        for frames in (chunk_layout or (num_frames,))[:-1]:
+            starts.append(starts[-1] + frames)
+        state.chunk_starts = [s for s in state.chunk_starts if s < start_frame] + starts
         state.num_frames = start_frame + num_frames
 
     def truncate(self, cache_tag: str, end_frame: int) -> None:

@@ -85,9 +85,17 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
             entry.starts.append(first)
 
     def _truncate_self_entry(self, entry: VanillaSelfEntry, state: TagState, end_frame: int) -> None:
-        # Runs never straddle a stored chunk boundary, and truncation points are chunk boundaries.
-        count = sum(1 for s in entry.starts if s < end_frame)
-        del entry.keys[count:], entry.values[count:], entry.starts[count:]
+        # A run stored by a multi-chunk call may straddle a chunk boundary: its kept part is copied (a view would pin
+        # the dropped frames).
+        runs = []
+        for run_start, run_end, key, value in entry.runs(state.frame_seqlen):
+            if run_start >= end_frame:
+                break
+            if run_end > end_frame:
+                tokens = (end_frame - run_start) * state.frame_seqlen
+                key, value = key[:, :tokens].clone(), value[:, :tokens].clone()
+            runs.append((run_start, key, value))
+        entry.replace(runs)
 
     def _evict_self_entry(self, entry: VanillaSelfEntry, state: TagState, before: int) -> None:
         if before <= self.sink_frames:

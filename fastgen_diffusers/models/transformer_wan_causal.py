@@ -398,7 +398,7 @@ class CausalWanMixin:
                     engine.abort_store(ctx.cache_tag, ctx.start_frame, cross_filled=filled)
                 continue
             if ctx.store_kv:
-                engine.commit_store(ctx.cache_tag, ctx.start_frame, ctx.num_frames)
+                engine.commit_store(ctx.cache_tag, ctx.start_frame, ctx.num_frames, ctx.chunk_layout)
             if filled:
                 engine.mark_cross_filled(ctx.cache_tag, source)
         ctx.committed = not failed
