@@ -29,6 +29,7 @@ class CausalRotaryTables:
         self._cos = [a.cos().repeat_interleave(2, dim=1) for a in angles]  # per axis: (max_seq_len, axis_dim)
         self._sin = [a.sin().repeat_interleave(2, dim=1) for a in angles]
         self._per_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._last_grid: tuple[tuple, torch.Tensor] | None = None
 
     @staticmethod
     def _inverse_frequencies(dim: int, theta: float) -> torch.Tensor:
@@ -85,6 +86,9 @@ class CausalRotaryTables:
         element ``i`` (see :func:`fastgen_diffusers.processors.apply_rotary_emb`).
         """
         self.check_range(start_frame, num_frames, height, width)
+        key = (start_frame, num_frames, height, width, torch.device(device))
+        if self._last_grid is not None and self._last_grid[0] == key:  # every step of a chunk asks for the same grid
+            return self._last_grid[1]
         cos, sin = self._tables(device)
         ranges = (slice(start_frame, start_frame + num_frames), slice(0, height), slice(0, width))
         shapes = ((num_frames, 1, 1, -1), (1, height, 1, -1), (1, 1, width, -1))
@@ -95,4 +99,6 @@ class CausalRotaryTables:
             ]
             return torch.cat(parts, dim=-1).reshape(1, num_frames * height * width, 1, -1)
 
-        return torch.complex(grid(cos), grid(sin)).to(torch.complex64)
+        rotations = torch.complex(grid(cos), grid(sin)).to(torch.complex64)
+        self._last_grid = (key, rotations)
+        return rotations

@@ -52,7 +52,9 @@ def apply_rotary_emb(hidden_states: torch.Tensor, rotary_emb: torch.Tensor) -> t
 def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # Default dynamic-shape handling: sequence lengths change with the frames of a call and the cached prefix, so a
+    # static-shape compile would recompile for every new length and fall back to eager at the recompile limit.
+    return torch.compile(flex_attention)
 
 
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> torch.Tensor:
