@@ -358,3 +358,22 @@ def test_cli_image_and_video_options(tmp_path):
         conditioning_kwargs(parser.parse_args(["--video", str(tmp_path / "missing.mp4")]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--image", "a.png", "--video", "b.mp4"])
+
+
+def test_prompt_schedule_switches_at_a_chunk_boundary_in_i2v():
+    """Chunks before a switch are unchanged by it; the chunks after it change."""
+    import numpy as np
+    import PIL.Image
+
+    from fastgen_diffusers import WanCausalImageToVideoPipeline
+    from fastgen_diffusers.testing import tiny_components
+
+    pipe = WanCausalImageToVideoPipeline(**tiny_components(independent_first_frame=True))
+    image = PIL.Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    common = dict(image=image, num_frames=25, num_inference_steps=2, output_type="latent")
+    plain = pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), **common).frames
+    switched = pipe(prompt={0: "a red fox", 13: "a blue whale"}, generator=torch.Generator().manual_seed(0), **common)
+    switched = switched.frames
+    # chunks (1, 3, 3) start at latent frames 0, 1, 4 = pixel frames 0, 1, 13: the switch lands on the third chunk
+    assert torch.equal(plain[:, :, :4], switched[:, :, :4])
+    assert not torch.equal(plain[:, :, 4:], switched[:, :, 4:])

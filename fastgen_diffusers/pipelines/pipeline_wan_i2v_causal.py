@@ -416,7 +416,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
     def __call__(
         self,
         image: ImageInput | None = None,
-        prompt: str | list[str] | None = None,
+        prompt: str | list[str] | dict[int, str | list[str]] | None = None,
         negative_prompt: str | list[str] | None = None,
         video: list[PIL.Image.Image] | torch.Tensor | np.ndarray | None = None,
         height: int | None = None,
@@ -443,6 +443,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' signature)
         max_sequence_length: int = 512,
         keep_cache: bool = False,
+        recache: bool = False,
         attention_window: int | None = None,
         sink_frames: int = 0,
         kv_cache_engine: str | None = "static",
@@ -454,8 +455,10 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             image (`PIL.Image.Image`, `np.ndarray`, `torch.Tensor` or `list[PIL.Image.Image]`, *optional*):
                 The first frame: a PIL image, a `(3, H, W)` / `(B, 3, H, W)` tensor in [0, 1], an `(H, W, 3)` array,
                 or one PIL image per video. Exactly one of `image` and `video` is required.
-            prompt (`str` or `list[str]`, *optional*):
-                The prompt or prompts to guide the video generation. If not defined, pass `prompt_embeds` instead.
+            prompt (`str`, `list[str]` or `dict`, *optional*):
+                The prompt or prompts to guide the video generation. If not defined, pass `prompt_embeds` instead. A
+                dict `{pixel_frame: prompt}` (keys include 0) switches prompts at chunk boundaries, as in
+                [`WanCausalPipeline`].
             negative_prompt (`str` or `list[str]`, *optional*):
                 The prompt or prompts to avoid, used only when `guidance_scale > 1`.
             video (`list[PIL.Image.Image]`, `torch.Tensor` or `np.ndarray`, *optional*):
@@ -509,6 +512,9 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 Text tokens of the prompt encoding.
             keep_cache (`bool`, defaults to `False`):
                 Keep the KV caches after the call; by default they are freed.
+            recache (`bool`, defaults to `False`):
+                With a prompt schedule (`prompt={0: "...", 45: "..."}`, as in [`WanCausalPipeline`]), recompute the
+                self K/V of the earlier chunks under each new prompt (LongLive's recache).
             attention_window (`int`, *optional*):
                 Sliding attention window in latent frames (own frames and sink included); see [`WanCausalPipeline`].
             sink_frames (`int`, defaults to `0`):
@@ -529,6 +535,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         )
 
         # 1. Check inputs. Raise error if not correct
+        prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(prompt, prompt_embeds)
         if isinstance(prompt, str):
             batch_size = 1
         elif isinstance(prompt, list):
@@ -579,6 +586,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         prompt_embeds = prompt_embeds.to(device, transformer_dtype)
         if negative_prompt_embeds is not None:
             negative_prompt_embeds = negative_prompt_embeds.to(device, transformer_dtype)
+        prompt_switches = self.encode_prompt_switches(prompt_schedule, prompt_embeds, max_sequence_length, device)
 
         # 3. Encode the image or clip (once; every chunk forward reuses the same tensors, so the cross K/V cache
         # recognizes its conditioning)
@@ -611,6 +619,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             latents,
         )
         chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
+        switches_by_chunk = self.prompt_switch_chunks(prompt_switches, chunk_bounds)  # may raise: before any reset
         self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, chunk_bounds)
 
         # 5. Denoising loop: the shared causal rollout, conditioned through the hooks above
@@ -633,6 +642,8 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 callback_on_step_end=callback_on_step_end,
                 callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
                 keep_cache=keep_cache,
+                prompt_switches=switches_by_chunk,
+                recache=recache,
             ):
                 video_latents[:, :, chunk.start : chunk.end] = chunk.latents
         finally:
