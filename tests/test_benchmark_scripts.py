@@ -1,0 +1,20 @@
+"""The GPU-scale benchmark is prepared for sessions that are lent a GPU: its tiny CPU mode keeps it from rotting."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu_scale.py"
+
+
+def test_gpu_scale_benchmark_runs_in_its_tiny_cpu_mode(capsys):
+    spec = importlib.util.spec_from_file_location("bench_gpu_scale", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--num-frames", "21", "--skip-compile"])
+    printed = capsys.readouterr().out
+    assert "[static] rollout" in printed and "[vanilla] rollout" in printed
+    assert printed.count("(ratio 1.000)") == 2
+    diff = float(printed.split("flex vs sdpa block mask: max abs diff ")[1].split()[0])
+    assert diff <= 1e-5
