@@ -375,3 +375,19 @@ def test_pipeline_loads_a_saved_wan_vace_pipeline(tmp_path):
         assert type(loaded.transformer) is WanCausalVACETransformer3DModel
         state = loaded.transformer.state_dict()
         assert all(torch.equal(state[k], v) for k, v in stock_transformer.state_dict().items())
+
+
+def test_vace_prompt_schedule_counts_video_frames_after_the_reference_frames():
+    from fastgen_diffusers.testing import tiny_vace_pipeline
+
+    pipe = tiny_vace_pipeline()
+    reference = PIL.Image.new("RGB", (32, 32), (200, 30, 30))
+    common = dict(reference_images=reference, height=32, width=32, num_frames=21, num_inference_steps=1)
+    common["output_type"] = "latent"
+    plain = pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), **common).frames
+    switched = pipe(prompt={0: "a red fox", 9: "a blue whale"}, generator=torch.Generator().manual_seed(0), **common)
+    # 1 reference + 6 video latent frames = chunks (4, 3): the video's pixel frame 9 (latent frame 3, after the
+    # reference frame) starts the second chunk. The output holds the 6 video latent frames.
+    assert plain.shape[2] == 6
+    assert torch.equal(plain[:, :, :3], switched.frames[:, :, :3])
+    assert not torch.equal(plain[:, :, 3:], switched.frames[:, :, 3:])

@@ -238,7 +238,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
     @torch.no_grad()
     def __call__(
         self,
-        prompt: str | list[str] | None = None,
+        prompt: str | list[str] | dict[int, str | list[str]] | None = None,
         negative_prompt: str | list[str] | None = None,
         video: Any = None,
         mask: Any = None,
@@ -267,6 +267,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' signature)
         max_sequence_length: int = 512,
         keep_cache: bool = False,
+        recache: bool = False,
         vace_hint_refresh_interval: int = 1,
         allow_lossy: bool = False,
         attention_window: int | None = None,
@@ -306,6 +307,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         )
 
         # 1. Check inputs (before any model work); references add leading latent frames
+        prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(prompt, prompt_embeds)
         num_refs = self.check_vace_inputs(
             video,
             mask,
@@ -359,6 +361,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         prompt_embeds = prompt_embeds.to(device, transformer_dtype)
         if negative_prompt_embeds is not None:
             negative_prompt_embeds = negative_prompt_embeds.to(device, transformer_dtype)
+        prompt_switches = self.encode_prompt_switches(prompt_schedule, prompt_embeds, max_sequence_length, device)
         batch_size = prompt_embeds.shape[0]
 
         # 3. Control latents (one control video, shared by the batch) and noise
@@ -382,6 +385,9 @@ class WanCausalVACEPipeline(WanCausalPipeline):
 
         # 4. The causal rollout, chunk by chunk
         chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
+        # Prompt schedules count the video's pixel frames: the reference latent frames come before its frame 0.
+        video_bounds = [(max(start - num_refs, 0), end - num_refs) for start, end in chunk_bounds]
+        switches_by_chunk = self.prompt_switch_chunks(prompt_switches, video_bounds)  # may raise: before any reset
         self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, chunk_bounds)
         video_latents = latents.clone()
         try:
@@ -398,6 +404,8 @@ class WanCausalVACEPipeline(WanCausalPipeline):
                 callback_on_step_end=callback_on_step_end,
                 callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
                 keep_cache=keep_cache,
+                prompt_switches=switches_by_chunk,
+                recache=recache,
             ):
                 video_latents[:, :, chunk.start : chunk.end] = chunk.latents
         finally:
