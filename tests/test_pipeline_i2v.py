@@ -268,6 +268,21 @@ def test_t2v_student_extends_a_clip():
     assert (other[:, :, 2:] - video_latents[:, :, 2:]).abs().max() > 1e-3
 
 
+def test_streamed_clip_extension_equals_call_and_releases_the_clip():
+    pipe = make_pipeline("t2v-student", independent_first_frame=False)
+    clip = torch.rand(5, 3, 32, 32)
+    common = dict(video=clip, prompt=PROMPT, num_frames=13, num_inference_steps=2, max_sequence_length=16)
+    expected = pipe(generator=torch.Generator().manual_seed(0), **common).frames
+    chunks = list(pipe.stream(generator=torch.Generator().manual_seed(0), **common))
+    assert np.array_equal(np.concatenate([c.frames for c in chunks], axis=1), expected)
+    assert pipe._i2v_inputs == {}
+    stream = pipe.stream(**common)
+    next(stream)
+    assert "context_latents" in pipe._i2v_inputs
+    stream.close()
+    assert pipe._i2v_inputs == {}
+
+
 # ------------------------------------------------------------------------------------------------------ bad inputs
 @pytest.fixture()
 def no_work(pipe):

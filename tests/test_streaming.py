@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -110,3 +112,43 @@ def test_stream_raises_the_rollout_error_and_stays_usable(pipe):
     with pytest.raises(RuntimeError, match="boom"):
         list(pipe.stream(**CALL, callback_on_step_end=fail, output_type="latent"))
     assert list(pipe.stream(**CALL, output_type="latent"))[-1].end == 6
+
+
+def test_stream_runs_in_the_callers_thread_without_leaking_grad_mode(pipe):
+    threads = threading.active_count()
+    with torch.enable_grad():
+        for chunk in pipe.stream(**CALL, output_type="latent"):
+            assert torch.is_grad_enabled() and threading.active_count() == threads
+            assert not chunk.latents.requires_grad
+    with torch.no_grad():
+        next(pipe.stream(**CALL, output_type="latent"))
+        assert not torch.is_grad_enabled()
+
+
+def test_stream_checks_the_output_type_before_any_work(pipe):
+    calls = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="output_type"):
+            next(pipe.stream(**CALL, output_type="mp4"))
+    finally:
+        hook.remove()
+    assert not calls
+
+
+def test_a_kept_stream_that_stops_after_the_last_chunk_keeps_the_rollout(pipe):
+    reference = pipe(**CALL, generator=torch.Generator().manual_seed(0), output_type="latent").frames
+    for chunk in pipe.stream(
+        **CALL, generator=torch.Generator().manual_seed(0), output_type="latent", keep_cache=True
+    ):
+        if chunk.end == reference.shape[2]:
+            break
+    try:
+        assert pipe.rollout_branches == ["main"]
+        assert torch.equal(pipe.kept_rollout().latents, reference)
+    finally:
+        pipe.discard_rollout()
+    stream = pipe.stream(**CALL, output_type="latent", keep_cache=True)
+    next(stream)
+    stream.close()  # an early close keeps nothing
+    assert pipe.rollout_branches == []

@@ -391,3 +391,24 @@ def test_vace_prompt_schedule_counts_video_frames_after_the_reference_frames():
     assert plain.shape[2] == 6
     assert torch.equal(plain[:, :, :3], switched.frames[:, :, :3])
     assert not torch.equal(plain[:, :, 3:], switched.frames[:, :, 3:])
+
+
+def test_stream_leaves_the_reference_frames_out_and_releases_the_control():
+    from fastgen_diffusers.testing import tiny_vace_pipeline
+
+    pipe = tiny_vace_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    reference = PIL.Image.new("RGB", (32, 32), (200, 30, 30))
+    common = dict(prompt="a red fox", reference_images=reference, height=32, width=32, num_frames=21)
+    common["num_inference_steps"] = 1
+    expected = pipe(generator=torch.Generator().manual_seed(0), **common).frames
+    chunks = list(pipe.stream(generator=torch.Generator().manual_seed(0), **common))
+    # 1 reference + 6 video latent frames in chunks (4, 3): the first chunk decodes its 3 video latent frames.
+    assert [(c.start, c.end, c.frame_start) for c in chunks] == [(0, 4, 0), (4, 7, 9)]
+    assert np.array_equal(np.concatenate([c.frames for c in chunks], axis=1), expected)
+    assert pipe._vace_control is None and pipe._vace_scale is None
+    stream = pipe.stream(**common)
+    next(stream)
+    assert pipe._vace_control is not None
+    stream.close()
+    assert pipe._vace_control is None

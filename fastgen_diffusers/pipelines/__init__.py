@@ -8,12 +8,13 @@ from .pipeline_wan_causal import (
 )
 from .pipeline_wan_i2v_causal import I2V_LAYOUTS, WanCausalImageToVideoPipeline, detect_i2v_layout
 from .pipeline_wan_vace_causal import WanCausalVACEPipeline, causal_transformer_from_wan_vace
-from .rollout import CausalRolloutMixin, ChunkOutput
+from .rollout import CausalRolloutMixin, ChunkOutput, RolloutRun
 
 __all__ = [
     "CausalRolloutMixin",
     "ChunkOutput",
     "I2V_LAYOUTS",
+    "RolloutRun",
     "WanCausalImageToVideoPipeline",
     "WanCausalPipeline",
     "WanCausalVACEPipeline",

@@ -16,12 +16,11 @@
 from __future__ import annotations
 
 import inspect
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import closing, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
@@ -30,6 +29,9 @@ from diffusers.utils.torch_utils import randn_tensor
 from ..chunking import chunk_bounds, chunk_layout
 from ..parallel import is_main_process
 from .streaming_decode import StreamingWanDecoder
+
+if TYPE_CHECKING:
+    from .rollout import ChunkOutput
 
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 
@@ -108,91 +110,61 @@ class StreamChunk:
     frame_start: int
 
 
-class _StreamClosed(Exception):
-    """Raised inside the rollout when the consumer of a stream closed it."""
-
-
 class LiveRolloutMixin:
     """Streaming, prompt schedules and kept-rollout editing for the pipelines of [`CausalRolloutMixin`]."""
 
     # Whether the pipeline's per-chunk conditioning (the rollout hooks) survives its ``__call__``, so that a kept
     # rollout can be continued. Text-to-video conditions on the prompt only.
     _resumable_rollouts = False
-    # Latent frames at the start of the rollout that are not part of the video (VACE's reference images).
-    _num_reference_latent_frames = 0
-    # Set by `stream` while its worker runs ``__call__``: called by the rollout with each finished chunk.
-    _on_chunk_done = None
 
     # ------------------------------------------------------------------ streaming
     def stream(self, *args, **kwargs) -> Iterator[StreamChunk]:
         r"""Generate like ``__call__`` (same arguments), yielding each chunk as soon as it is done.
 
-        The rollout runs ``__call__`` in a worker thread in lock step with the consumer: chunk ``k + 1`` is computed
-        only when the next chunk is asked for, so nothing runs while the caller holds a chunk. Frames are decoded
-        per chunk with a VAE feature cache carried across chunks: ``np.concatenate([c.frames for c in
-        pipe.stream(...)], axis=1)`` equals ``pipe(...).frames`` exactly. Closing the generator early (``break``,
-        ``.close()``, an exception in the consumer) stops the rollout and frees the caches: the pipeline is then as
-        fresh as before. Do not call the pipeline while one of its streams is open; they share the KV caches.
-        ``return_dict`` is ignored; grad mode and autocast contexts of the caller do not reach the worker (the
-        rollout runs under ``torch.no_grad`` as ``__call__`` does).
+        The stream prepares the call like ``__call__`` ([`CausalRolloutMixin.prepare_rollout`]) and iterates the
+        rollout generator itself, in the caller's thread: chunk ``k + 1`` is computed only when the next chunk is
+        asked for, so nothing runs while the caller holds a chunk. Frames are decoded per chunk with a VAE feature
+        cache carried across chunks: ``np.concatenate([c.frames for c in pipe.stream(...)], axis=1)`` equals
+        ``pipe(...).frames`` exactly. Closing the generator early (``break``, ``.close()``, an exception in the
+        consumer) closes the rollout, which frees the caches: the pipeline is then as fresh as before. With
+        ``keep_cache=True`` the rollout is kept once the last chunk is handed out. Do not call the pipeline while one
+        of its streams is open; they share the KV caches. ``return_dict`` is ignored. Every step runs under
+        ``torch.no_grad`` as ``__call__`` does; the caller's grad mode is left as it is between chunks.
 
         Yields:
             [`StreamChunk`] per chunk, in order.
         """
-        signature = inspect.signature(self.__call__)
-        bound = signature.bind(*args, **kwargs)
+        bound = inspect.signature(self.__call__).bind(*args, **kwargs)
         bound.apply_defaults()
-        output_type = bound.arguments["output_type"]
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
-        bound.arguments["output_type"] = "latent"
-        events: queue.Queue = queue.Queue()
-        replies: queue.Queue = queue.Queue()
-
-        def on_chunk_done(chunk) -> None:  # worker thread, inside the rollout
-            events.put(("chunk", chunk))
-            if not replies.get() and not chunk.is_last:  # a consumer that stops after the last chunk got it all
-                raise _StreamClosed
-
-        def work() -> None:
-            try:
-                self.__call__(*bound.args, **bound.kwargs)
-                events.put(("done", None))
-            except _StreamClosed:
-                events.put(("done", None))
-            except BaseException as error:  # noqa: BLE001  (handed to the consumer, which raises it)
-                events.put(("error", error))
-            finally:
-                self._on_chunk_done = None
-
-        self._on_chunk_done = on_chunk_done
-        worker = threading.Thread(target=work, name=f"{type(self).__name__}.stream", daemon=True)
-        decoder = None if output_type == "latent" else StreamingWanDecoder(self.vae)
-        worker.start()
-        try:
+        call_kwargs = dict(bound.arguments)
+        del call_kwargs["return_dict"]
+        output_type = call_kwargs["output_type"]
+        run = self.prepare_rollout(**call_kwargs)  # validates `output_type` before any model work
+        decode = output_type != "latent" and is_main_process(self.transformer)  # under context parallelism rank 0
+        with (
+            run,
+            closing(self.rollout(**run.rollout_kwargs)) as chunks,
+            StreamingWanDecoder(self.vae) if decode else nullcontext() as decoder,
+        ):
             while True:
-                kind, payload = events.get()
-                if kind == "error":
-                    raise payload
-                if kind == "done":
-                    return
-                yield self._stream_chunk(payload, decoder, output_type)
-                replies.put(True)
-        finally:
-            if worker.is_alive():
-                self._interrupt = True  # stops a rollout that is between chunks at its next step
-                replies.put(False)
-                worker.join()
-            if decoder is not None:
-                decoder.close()
+                # Grad mode is thread-local: a generator enters `no_grad` around each step, never across a `yield`.
+                with torch.no_grad():
+                    chunk = next(chunks, None)
+                    if chunk is None:
+                        return
+                    if chunk.is_last:  # let the rollout finish: a consumer that stops now keeps a kept rollout
+                        next(chunks, None)
+                    streamed = self._stream_chunk(chunk, run.num_reference_frames, decoder, output_type)
+                yield streamed
 
-    @torch.no_grad()
-    def _stream_chunk(self, chunk, decoder: StreamingWanDecoder | None, output_type: str) -> StreamChunk:
-        """Decode the video frames of a finished chunk (reference frames excluded) into a [`StreamChunk`]."""
-        skip = max(0, self._num_reference_latent_frames - chunk.start)
-        latents = chunk.latents[:, :, skip:]
-        if decoder is None or not is_main_process(self.transformer):  # under context parallelism rank 0 decodes
+    def _stream_chunk(
+        self, chunk: ChunkOutput, num_reference_frames: int, decoder: StreamingWanDecoder | None, output_type: str
+    ) -> StreamChunk:
+        """Decode the video frames of a finished chunk (the first ``num_reference_frames`` latent frames of the
+        rollout excluded) into a [`StreamChunk`]; ``decoder`` is ``None`` when nothing is decoded."""
+        if decoder is None:
             return StreamChunk(chunk.chunk_index, chunk.start, chunk.end, chunk.latents, None, 0)
+        latents = chunk.latents[:, :, max(0, num_reference_frames - chunk.start) :]
         frame_start = decoder.num_decoded_frames
         frames = None
         if latents.shape[2] > 0:

@@ -32,7 +32,7 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 
 from ..models import WanCausalTransformer3DModel
 from .live import OUTPUT_TYPES
-from .rollout import CausalRolloutMixin
+from .rollout import CausalRolloutMixin, RolloutRun
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 
@@ -318,6 +318,146 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
+    def prepare_rollout(
+        self,
+        *,
+        prompt: str | list[str] | dict[int, str | list[str]] | None,
+        negative_prompt: str | list[str] | None,
+        height: int,
+        width: int,
+        num_frames: int,
+        num_inference_steps: int | None,
+        timesteps: Sequence[float] | None,
+        sigmas: Sequence[float] | None,
+        guidance_scale: float,
+        chunk_size: int | None,
+        context_noise: float | None,
+        generator: torch.Generator | list[torch.Generator] | None,
+        latents: torch.Tensor | None,
+        prompt_embeds: torch.Tensor | dict[int, torch.Tensor] | None,
+        negative_prompt_embeds: torch.Tensor | None,
+        output_type: str,
+        attention_kwargs: dict[str, Any] | None,
+        callback_on_step_end: Callable[..., dict[str, torch.Tensor]]
+        | PipelineCallback
+        | MultiPipelineCallbacks
+        | None,
+        callback_on_step_end_tensor_inputs: list[str],
+        max_sequence_length: int,
+        keep_cache: bool,
+        recache: bool,
+        attention_window: int | None,
+        sink_frames: int,
+        kv_cache_engine: str | None,
+    ) -> RolloutRun:
+        r"""Steps 1-5 of [`__call__`] (its arguments but `return_dict`, all by keyword): check the inputs, encode
+        the prompts, prepare the schedule and the noise, configure the KV cache.
+
+        Returns:
+            The [`RolloutRun`] that `__call__` and [`~LiveRolloutMixin.stream`] roll out.
+        """
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+
+        num_inference_steps, timesteps, context_noise = self.resolve_sampling_defaults(
+            num_inference_steps, timesteps, sigmas, context_noise
+        )
+
+        # 1. Check inputs. Raise error if not correct
+        self.check_kv_cache_inputs(kv_cache_engine, attention_window, sink_frames)
+        prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(prompt, prompt_embeds)
+        self.check_inputs(
+            prompt,
+            negative_prompt,
+            height,
+            width,
+            num_frames,
+            num_inference_steps,
+            timesteps,
+            sigmas,
+            guidance_scale,
+            chunk_size,
+            context_noise,
+            generator,
+            latents,
+            prompt_embeds,
+            negative_prompt_embeds,
+            output_type,
+            callback_on_step_end_tensor_inputs,
+            max_sequence_length,
+        )
+        num_latent_frames = (num_frames - 1) // self.vae_scale_factor_temporal + 1
+        self.check_window_fits_chunks(
+            attention_window, sink_frames, self.rollout_chunk_bounds(num_latent_frames, chunk_size)
+        )
+        self._guidance_scale = guidance_scale
+        self._attention_kwargs = attention_kwargs
+        self._current_timestep = None
+        self._interrupt = False
+
+        # 2. Define call parameters
+        device = self._execution_device
+        if isinstance(prompt, str):
+            batch_size = 1
+        elif prompt is not None:
+            batch_size = len(prompt)
+        else:
+            batch_size = prompt_embeds.shape[0]
+
+        # 3. Encode input prompt
+        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            do_classifier_free_guidance=self.do_classifier_free_guidance,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            max_sequence_length=max_sequence_length,
+            device=device,
+        )
+        transformer_dtype = self.transformer.dtype
+        prompt_embeds = prompt_embeds.to(device, transformer_dtype)
+        if negative_prompt_embeds is not None:
+            negative_prompt_embeds = negative_prompt_embeds.to(device, transformer_dtype)
+        prompt_switches = self.encode_prompt_switches(prompt_schedule, prompt_embeds, max_sequence_length, device)
+
+        # 4. Prepare timesteps (set on the scheduler again at every chunk)
+        schedule = self.rollout_schedule(num_inference_steps, timesteps, sigmas)
+
+        # 5. Prepare latent variables
+        latents = self.prepare_latents(
+            batch_size,
+            self.transformer.config.out_channels,
+            height,
+            width,
+            num_frames,
+            torch.float32,
+            device,
+            generator,
+            latents,
+        )
+        chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
+        switches_by_chunk = self.prompt_switch_chunks(prompt_switches, chunk_bounds)  # may raise: before any reset
+        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, chunk_bounds)
+
+        rollout_kwargs = {
+            "latents": latents,
+            "prompt_embeds": prompt_embeds,
+            "negative_prompt_embeds": negative_prompt_embeds,
+            "chunk_bounds": chunk_bounds,
+            "schedule": schedule,
+            "guidance_scale": guidance_scale,
+            "context_noise": context_noise,
+            "generator": generator,
+            "attention_kwargs": attention_kwargs,
+            "callback_on_step_end": callback_on_step_end,
+            "callback_on_step_end_tensor_inputs": callback_on_step_end_tensor_inputs,
+            "keep_cache": keep_cache,
+            "prompt_switches": switches_by_chunk,
+            "recache": recache,
+        }
+        return RolloutRun(self, rollout_kwargs, latents.clone())
+
+    @torch.no_grad()
     @replace_example_docstring(EXAMPLE_DOC_STRING)
     def __call__(
         self,
@@ -436,115 +576,38 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             `(frames,)` when `return_dict` is `False`. An interrupted rollout returns the finished chunks; the
             latent frames of unfinished chunks are left at their initial noise.
         """
-        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
-            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
-
-        num_inference_steps, timesteps, context_noise = self.resolve_sampling_defaults(
-            num_inference_steps, timesteps, sigmas, context_noise
-        )
-
-        # 1. Check inputs. Raise error if not correct
-        self.check_kv_cache_inputs(kv_cache_engine, attention_window, sink_frames)
-        prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(prompt, prompt_embeds)
-        self.check_inputs(
-            prompt,
-            negative_prompt,
-            height,
-            width,
-            num_frames,
-            num_inference_steps,
-            timesteps,
-            sigmas,
-            guidance_scale,
-            chunk_size,
-            context_noise,
-            generator,
-            latents,
-            prompt_embeds,
-            negative_prompt_embeds,
-            output_type,
-            callback_on_step_end_tensor_inputs,
-            max_sequence_length,
-        )
-        num_latent_frames = (num_frames - 1) // self.vae_scale_factor_temporal + 1
-        self.check_window_fits_chunks(
-            attention_window, sink_frames, self.rollout_chunk_bounds(num_latent_frames, chunk_size)
-        )
-        self._guidance_scale = guidance_scale
-        self._attention_kwargs = attention_kwargs
-        self._current_timestep = None
-        self._interrupt = False
-
-        # 2. Define call parameters
-        device = self._execution_device
-        if isinstance(prompt, str):
-            batch_size = 1
-        elif prompt is not None:
-            batch_size = len(prompt)
-        else:
-            batch_size = prompt_embeds.shape[0]
-
-        # 3. Encode input prompt
-        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+        run = self.prepare_rollout(
             prompt=prompt,
             negative_prompt=negative_prompt,
-            do_classifier_free_guidance=self.do_classifier_free_guidance,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-            max_sequence_length=max_sequence_length,
-            device=device,
-        )
-        transformer_dtype = self.transformer.dtype
-        prompt_embeds = prompt_embeds.to(device, transformer_dtype)
-        if negative_prompt_embeds is not None:
-            negative_prompt_embeds = negative_prompt_embeds.to(device, transformer_dtype)
-        prompt_switches = self.encode_prompt_switches(prompt_schedule, prompt_embeds, max_sequence_length, device)
-
-        # 4. Prepare timesteps (set on the scheduler again at every chunk)
-        schedule = self.rollout_schedule(num_inference_steps, timesteps, sigmas)
-
-        # 5. Prepare latent variables
-        latents = self.prepare_latents(
-            batch_size,
-            self.transformer.config.out_channels,
-            height,
-            width,
-            num_frames,
-            torch.float32,
-            device,
-            generator,
-            latents,
-        )
-        chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
-        switches_by_chunk = self.prompt_switch_chunks(prompt_switches, chunk_bounds)  # may raise: before any reset
-        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, chunk_bounds)
-
-        # 6. Denoising loop: the causal rollout, chunk by chunk
-        video_latents = latents.clone()
-        for chunk in self.rollout(
-            latents,
-            prompt_embeds,
-            negative_prompt_embeds,
-            chunk_bounds=chunk_bounds,
-            schedule=schedule,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            timesteps=timesteps,
+            sigmas=sigmas,
             guidance_scale=guidance_scale,
+            chunk_size=chunk_size,
             context_noise=context_noise,
             generator=generator,
+            latents=latents,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            output_type=output_type,
             attention_kwargs=attention_kwargs,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            max_sequence_length=max_sequence_length,
             keep_cache=keep_cache,
-            prompt_switches=switches_by_chunk,
             recache=recache,
-        ):
-            video_latents[:, :, chunk.start : chunk.end] = chunk.latents
+            attention_window=attention_window,
+            sink_frames=sink_frames,
+            kv_cache_engine=kv_cache_engine,
+        )
 
-        # 7. Decode
-        video = self.decode_latents(video_latents, output_type)
+        # 6. Denoising loop: the causal rollout, chunk by chunk
+        with run:
+            for chunk in self.rollout(**run.rollout_kwargs):
+                run.latents[:, :, chunk.start : chunk.end] = chunk.latents
 
-        # Offload all models
-        self.maybe_free_model_hooks()
-
-        if not return_dict:
-            return (video,)
-        return WanPipelineOutput(frames=video)
+        # 7. Decode, offload all models
+        return run.finish(output_type, return_dict)

@@ -45,6 +45,7 @@ from transformers.image_processing_utils import BaseImageProcessor
 
 from ..models import WanCausalTransformer3DModel
 from .pipeline_wan_causal import WanCausalPipeline
+from .rollout import RolloutRun
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 
@@ -412,6 +413,170 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
+    def prepare_rollout(
+        self,
+        *,
+        image: ImageInput | None,
+        prompt: str | list[str] | dict[int, str | list[str]] | None,
+        negative_prompt: str | list[str] | None,
+        video: list[PIL.Image.Image] | torch.Tensor | np.ndarray | None,
+        height: int | None,
+        width: int | None,
+        num_frames: int,
+        num_inference_steps: int | None,
+        timesteps: Sequence[float] | None,
+        sigmas: Sequence[float] | None,
+        guidance_scale: float,
+        chunk_size: int | None,
+        context_noise: float | None,
+        generator: torch.Generator | list[torch.Generator] | None,
+        latents: torch.Tensor | None,
+        prompt_embeds: torch.Tensor | None,
+        negative_prompt_embeds: torch.Tensor | None,
+        image_embeds: torch.Tensor | None,
+        output_type: str,
+        attention_kwargs: dict[str, Any] | None,
+        callback_on_step_end: Callable[..., dict[str, torch.Tensor]]
+        | PipelineCallback
+        | MultiPipelineCallbacks
+        | None,
+        callback_on_step_end_tensor_inputs: list[str],
+        max_sequence_length: int,
+        keep_cache: bool,
+        recache: bool,
+        attention_window: int | None,
+        sink_frames: int,
+        kv_cache_engine: str | None,
+    ) -> RolloutRun:
+        r"""Steps 1-4 of [`__call__`] (its arguments but `return_dict`, all by keyword): check the inputs, encode
+        the prompts and the image or clip, prepare the schedule and the noise, configure the KV cache.
+
+        Returns:
+            The [`RolloutRun`] that `__call__` and [`~LiveRolloutMixin.stream`] roll out; until it is closed, the
+            rollout hooks read the encoded image or clip from the pipeline.
+        """
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        num_inference_steps, timesteps, context_noise = self.resolve_sampling_defaults(
+            num_inference_steps, timesteps, sigmas, context_noise
+        )
+
+        # 1. Check inputs. Raise error if not correct
+        prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(prompt, prompt_embeds)
+        if isinstance(prompt, str):
+            batch_size = 1
+        elif isinstance(prompt, list):
+            batch_size = len(prompt)
+        else:
+            batch_size = prompt_embeds.shape[0] if isinstance(prompt_embeds, torch.Tensor) else 1
+        height, width = self.check_image_inputs(image, video, image_embeds, height, width, batch_size)
+        self.check_kv_cache_inputs(kv_cache_engine, attention_window, sink_frames)
+        self.check_inputs(
+            prompt,
+            negative_prompt,
+            height,
+            width,
+            num_frames,
+            num_inference_steps,
+            timesteps,
+            sigmas,
+            guidance_scale,
+            chunk_size,
+            context_noise,
+            generator,
+            latents,
+            prompt_embeds,
+            negative_prompt_embeds,
+            output_type,
+            callback_on_step_end_tensor_inputs,
+            max_sequence_length,
+        )
+        self.check_context_frames(video, num_frames, chunk_size)
+        layout = self.i2v_layout
+        self._guidance_scale = guidance_scale
+        self._attention_kwargs = attention_kwargs
+        self._current_timestep = None
+        self._interrupt = False
+        device = self._execution_device
+
+        # 2. Encode input prompt
+        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            do_classifier_free_guidance=self.do_classifier_free_guidance,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            max_sequence_length=max_sequence_length,
+            device=device,
+        )
+        transformer_dtype = self.transformer.dtype
+        prompt_embeds = prompt_embeds.to(device, transformer_dtype)
+        if negative_prompt_embeds is not None:
+            negative_prompt_embeds = negative_prompt_embeds.to(device, transformer_dtype)
+        prompt_switches = self.encode_prompt_switches(prompt_schedule, prompt_embeds, max_sequence_length, device)
+
+        # 3. Encode the image or clip (once; every chunk forward reuses the same tensors, so the cross K/V cache
+        # recognizes its conditioning)
+        inputs = {"layout": layout, "image_embeds": None}
+        if video is not None:
+            pixels = self.video_processor.preprocess_video(video, height=height, width=width).to(device)
+            inputs["context_latents"] = self.encode_video_latents(pixels.expand(batch_size, -1, -1, -1, -1), device)
+        else:
+            pixels = self._preprocess_image(image, height, width, batch_size).to(device)
+            if layout == WAN21_I2V:
+                inputs["condition"] = self.prepare_image_condition(pixels, num_frames, device)
+                if self.uses_image_tokens:
+                    embeds = self.encode_image(pixels, device) if image_embeds is None else image_embeds.to(device)
+                    embeds = embeds.expand(batch_size, -1, -1) if embeds.shape[0] == 1 else embeds
+                    inputs["image_embeds"] = embeds.to(transformer_dtype).contiguous()
+            else:
+                inputs["context_latents"] = self.encode_video_latents(pixels[:, :, None], device)
+
+        # 4. Prepare timesteps and latent variables
+        schedule = self.rollout_schedule(num_inference_steps, timesteps, sigmas)
+        latents = self.prepare_latents(
+            batch_size,
+            self.transformer.config.out_channels,
+            height,
+            width,
+            num_frames,
+            torch.float32,
+            device,
+            generator,
+            latents,
+        )
+        chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
+        switches_by_chunk = self.prompt_switch_chunks(prompt_switches, chunk_bounds)  # may raise: before any reset
+        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, chunk_bounds)
+
+        video_latents = latents.clone()
+        if "context_latents" in inputs:
+            context = inputs["context_latents"]
+            video_latents[:, :, : context.shape[2]] = context
+        rollout_kwargs = {
+            "latents": latents,
+            "prompt_embeds": prompt_embeds,
+            "negative_prompt_embeds": negative_prompt_embeds,
+            "chunk_bounds": chunk_bounds,
+            "schedule": schedule,
+            "guidance_scale": guidance_scale,
+            "context_noise": context_noise,
+            "generator": generator,
+            "attention_kwargs": attention_kwargs,
+            "callback_on_step_end": callback_on_step_end,
+            "callback_on_step_end_tensor_inputs": callback_on_step_end_tensor_inputs,
+            "keep_cache": keep_cache,
+            "prompt_switches": switches_by_chunk,
+            "recache": recache,
+        }
+        self._i2v_inputs = inputs  # read by the rollout hooks above until the run is closed
+        return RolloutRun(self, rollout_kwargs, video_latents, release=self._release_i2v_inputs)
+
+    def _release_i2v_inputs(self) -> None:
+        """Drop the image inputs of the last call (its run is closed)."""
+        self._i2v_inputs = {}
+
+    @torch.no_grad()
     @replace_example_docstring(EXAMPLE_DOC_STRING)
     def __call__(
         self,
@@ -528,133 +693,41 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`: the frames (`frames`), the given image
             or clip first (as the VAE reconstructs it), or `(frames,)` when `return_dict` is `False`.
         """
-        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
-            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
-        num_inference_steps, timesteps, context_noise = self.resolve_sampling_defaults(
-            num_inference_steps, timesteps, sigmas, context_noise
-        )
-
-        # 1. Check inputs. Raise error if not correct
-        prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(prompt, prompt_embeds)
-        if isinstance(prompt, str):
-            batch_size = 1
-        elif isinstance(prompt, list):
-            batch_size = len(prompt)
-        else:
-            batch_size = prompt_embeds.shape[0] if isinstance(prompt_embeds, torch.Tensor) else 1
-        height, width = self.check_image_inputs(image, video, image_embeds, height, width, batch_size)
-        self.check_kv_cache_inputs(kv_cache_engine, attention_window, sink_frames)
-        self.check_inputs(
-            prompt,
-            negative_prompt,
-            height,
-            width,
-            num_frames,
-            num_inference_steps,
-            timesteps,
-            sigmas,
-            guidance_scale,
-            chunk_size,
-            context_noise,
-            generator,
-            latents,
-            prompt_embeds,
-            negative_prompt_embeds,
-            output_type,
-            callback_on_step_end_tensor_inputs,
-            max_sequence_length,
-        )
-        self.check_context_frames(video, num_frames, chunk_size)
-        layout = self.i2v_layout
-        self._guidance_scale = guidance_scale
-        self._attention_kwargs = attention_kwargs
-        self._current_timestep = None
-        self._interrupt = False
-        device = self._execution_device
-
-        # 2. Encode input prompt
-        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+        run = self.prepare_rollout(
+            image=image,
             prompt=prompt,
             negative_prompt=negative_prompt,
-            do_classifier_free_guidance=self.do_classifier_free_guidance,
+            video=video,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            timesteps=timesteps,
+            sigmas=sigmas,
+            guidance_scale=guidance_scale,
+            chunk_size=chunk_size,
+            context_noise=context_noise,
+            generator=generator,
+            latents=latents,
             prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds,
+            image_embeds=image_embeds,
+            output_type=output_type,
+            attention_kwargs=attention_kwargs,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
             max_sequence_length=max_sequence_length,
-            device=device,
+            keep_cache=keep_cache,
+            recache=recache,
+            attention_window=attention_window,
+            sink_frames=sink_frames,
+            kv_cache_engine=kv_cache_engine,
         )
-        transformer_dtype = self.transformer.dtype
-        prompt_embeds = prompt_embeds.to(device, transformer_dtype)
-        if negative_prompt_embeds is not None:
-            negative_prompt_embeds = negative_prompt_embeds.to(device, transformer_dtype)
-        prompt_switches = self.encode_prompt_switches(prompt_schedule, prompt_embeds, max_sequence_length, device)
-
-        # 3. Encode the image or clip (once; every chunk forward reuses the same tensors, so the cross K/V cache
-        # recognizes its conditioning)
-        inputs = {"layout": layout, "image_embeds": None}
-        if video is not None:
-            pixels = self.video_processor.preprocess_video(video, height=height, width=width).to(device)
-            inputs["context_latents"] = self.encode_video_latents(pixels.expand(batch_size, -1, -1, -1, -1), device)
-        else:
-            pixels = self._preprocess_image(image, height, width, batch_size).to(device)
-            if layout == WAN21_I2V:
-                inputs["condition"] = self.prepare_image_condition(pixels, num_frames, device)
-                if self.uses_image_tokens:
-                    embeds = self.encode_image(pixels, device) if image_embeds is None else image_embeds.to(device)
-                    embeds = embeds.expand(batch_size, -1, -1) if embeds.shape[0] == 1 else embeds
-                    inputs["image_embeds"] = embeds.to(transformer_dtype).contiguous()
-            else:
-                inputs["context_latents"] = self.encode_video_latents(pixels[:, :, None], device)
-
-        # 4. Prepare timesteps and latent variables
-        schedule = self.rollout_schedule(num_inference_steps, timesteps, sigmas)
-        latents = self.prepare_latents(
-            batch_size,
-            self.transformer.config.out_channels,
-            height,
-            width,
-            num_frames,
-            torch.float32,
-            device,
-            generator,
-            latents,
-        )
-        chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
-        switches_by_chunk = self.prompt_switch_chunks(prompt_switches, chunk_bounds)  # may raise: before any reset
-        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, chunk_bounds)
 
         # 5. Denoising loop: the shared causal rollout, conditioned through the hooks above
-        video_latents = latents.clone()
-        if "context_latents" in inputs:
-            context = inputs["context_latents"]
-            video_latents[:, :, : context.shape[2]] = context
-        self._i2v_inputs = inputs
-        try:
-            for chunk in self.rollout(
-                latents,
-                prompt_embeds,
-                negative_prompt_embeds,
-                chunk_bounds=chunk_bounds,
-                schedule=schedule,
-                guidance_scale=guidance_scale,
-                context_noise=context_noise,
-                generator=generator,
-                attention_kwargs=attention_kwargs,
-                callback_on_step_end=callback_on_step_end,
-                callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-                keep_cache=keep_cache,
-                prompt_switches=switches_by_chunk,
-                recache=recache,
-            ):
-                video_latents[:, :, chunk.start : chunk.end] = chunk.latents
-        finally:
-            self._i2v_inputs = {}
+        with run:
+            for chunk in self.rollout(**run.rollout_kwargs):
+                run.latents[:, :, chunk.start : chunk.end] = chunk.latents
 
-        # 6. Decode
-        output = self.decode_latents(video_latents, output_type)
-
-        # Offload all models
-        self.maybe_free_model_hooks()
-
-        if not return_dict:
-            return (output,)
-        return WanPipelineOutput(frames=output)
+        # 6. Decode, offload all models
+        return run.finish(output_type, return_dict)

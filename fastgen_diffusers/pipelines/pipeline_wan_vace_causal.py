@@ -17,6 +17,7 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 
 from ..models import VACEHintCache, WanCausalVACETransformer3DModel
 from .pipeline_wan_causal import WanCausalPipeline, _model_config, _share_weights
+from .rollout import RolloutRun
 
 REFERENCE_MODES = ("RGB", "L")
 
@@ -236,69 +237,51 @@ class WanCausalVACEPipeline(WanCausalPipeline):
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def __call__(
+    def prepare_rollout(
         self,
-        prompt: str | list[str] | dict[int, str | list[str]] | None = None,
-        negative_prompt: str | list[str] | None = None,
-        video: Any = None,
-        mask: Any = None,
-        reference_images: PIL.Image.Image | list[PIL.Image.Image] | list[list[PIL.Image.Image]] | None = None,
-        conditioning_scale: float | Sequence[float] | torch.Tensor = 1.0,
-        height: int = 480,
-        width: int = 832,
-        num_frames: int = 81,
-        num_inference_steps: int | None = None,
-        timesteps: Sequence[float] | None = None,
-        sigmas: Sequence[float] | None = None,
-        guidance_scale: float = 1.0,
-        chunk_size: int | None = None,
-        context_noise: float | None = None,
-        generator: torch.Generator | list[torch.Generator] | None = None,
-        latents: torch.Tensor | None = None,
-        prompt_embeds: torch.Tensor | None = None,
-        negative_prompt_embeds: torch.Tensor | None = None,
-        output_type: str = "np",
-        return_dict: bool = True,
-        attention_kwargs: dict[str, Any] | None = None,
+        *,
+        prompt: str | list[str] | dict[int, str | list[str]] | None,
+        negative_prompt: str | list[str] | None,
+        video: Any,
+        mask: Any,
+        reference_images: PIL.Image.Image | list[PIL.Image.Image] | list[list[PIL.Image.Image]] | None,
+        conditioning_scale: float | Sequence[float] | torch.Tensor,
+        height: int,
+        width: int,
+        num_frames: int,
+        num_inference_steps: int | None,
+        timesteps: Sequence[float] | None,
+        sigmas: Sequence[float] | None,
+        guidance_scale: float,
+        chunk_size: int | None,
+        context_noise: float | None,
+        generator: torch.Generator | list[torch.Generator] | None,
+        latents: torch.Tensor | None,
+        prompt_embeds: torch.Tensor | None,
+        negative_prompt_embeds: torch.Tensor | None,
+        output_type: str,
+        attention_kwargs: dict[str, Any] | None,
         callback_on_step_end: Callable[..., dict[str, torch.Tensor]]
         | PipelineCallback
         | MultiPipelineCallbacks
-        | None = None,
-        callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' signature)
-        max_sequence_length: int = 512,
-        keep_cache: bool = False,
-        recache: bool = False,
-        vace_hint_refresh_interval: int = 1,
-        allow_lossy: bool = False,
-        attention_window: int | None = None,
-        sink_frames: int = 0,
-        kv_cache_engine: str | None = "static",
-    ) -> WanPipelineOutput | tuple:
-        r"""
-        Generate a video steered by a control video, its mask and reference images.
-
-        Args (the others are [`WanCausalPipeline.__call__`]'s):
-            video (list of PIL images, `(F, 3, H, W)` tensor or `(F, H, W, 3)` array in [0, 1], *optional*):
-                The control video at the output size, at least `num_frames` frames (later ones are ignored);
-                zeros when omitted, as in `WanVACEPipeline`.
-            mask (same types, 1 or 3 channels, *optional*):
-                White where the video is to be generated, black where `video` is kept; all white when omitted.
-            reference_images (`PIL.Image.Image` or a list of them, *optional*):
-                Images letterboxed onto a white canvas and prepended as leading latent frames (dropped from the
-                output).
-            conditioning_scale (`float`, a list or a tensor of one value per VACE layer, defaults to `1.0`):
-                Scale of each VACE layer's hint.
-            vace_hint_refresh_interval (`int`, defaults to `1`):
-                1 recomputes the VACE hints at every forward (exact). K > 1 reuses a chunk's hints for the
-                denoising steps between refreshes every K steps, skipping the VACE layers there (lossy; needs
-                `allow_lossy=True`). Cache-filling passes always recompute them.
-            allow_lossy (`bool`, defaults to `False`):
-                Required for `vace_hint_refresh_interval > 1`.
-            attention_window, sink_frames, kv_cache_engine:
-                The KV-cache engines of both branches ("main" and "vace"), as in [`WanCausalPipeline.__call__`].
+        | None,
+        callback_on_step_end_tensor_inputs: list[str],
+        max_sequence_length: int,
+        keep_cache: bool,
+        recache: bool,
+        vace_hint_refresh_interval: int,
+        allow_lossy: bool,
+        attention_window: int | None,
+        sink_frames: int,
+        kv_cache_engine: str | None,
+    ) -> RolloutRun:
+        r"""Steps 1-4 of [`__call__`] (its arguments but `return_dict`, all by keyword): check the inputs, encode
+        the prompts and the control inputs, prepare the noise, configure the KV cache.
 
         Returns:
-            [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`, as [`WanCausalPipeline`].
+            The [`RolloutRun`] that `__call__` and [`~LiveRolloutMixin.stream`] roll out, its reference images as
+            leading latent frames (`num_reference_frames`); until it is closed, `prepare_chunk_inputs` reads the
+            control inputs from the pipeline.
         """
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
@@ -377,44 +360,146 @@ class WanCausalVACEPipeline(WanCausalPipeline):
             generator,
             latents,
         )
-        self._vace_control = control.to(transformer_dtype).expand(batch_size, -1, -1, -1, -1)
-        self._vace_scale = conditioning_scale
-        self._num_reference_latent_frames = num_refs  # not video frames: `stream` decodes after them
-        if vace_hint_refresh_interval > 1:
-            self._vace_hint_cache = VACEHintCache(vace_hint_refresh_interval, allow_lossy=allow_lossy)
 
-        # 4. The causal rollout, chunk by chunk
+        # 4. Chunks, prompt switches and KV cache
         chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
         # Prompt schedules count the video's pixel frames: the reference latent frames come before its frame 0.
         video_bounds = [(max(start - num_refs, 0), end - num_refs) for start, end in chunk_bounds]
         switches_by_chunk = self.prompt_switch_chunks(prompt_switches, video_bounds)  # may raise: before any reset
         self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, chunk_bounds)
-        video_latents = latents.clone()
-        try:
-            for chunk in self.rollout(
-                latents,
-                prompt_embeds,
-                negative_prompt_embeds,
-                chunk_bounds=chunk_bounds,
-                schedule=self.rollout_schedule(num_inference_steps, timesteps, sigmas),
-                guidance_scale=guidance_scale,
-                context_noise=context_noise,
-                generator=generator,
-                attention_kwargs=attention_kwargs,
-                callback_on_step_end=callback_on_step_end,
-                callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-                keep_cache=keep_cache,
-                prompt_switches=switches_by_chunk,
-                recache=recache,
-            ):
-                video_latents[:, :, chunk.start : chunk.end] = chunk.latents
-        finally:
-            self._vace_control = self._vace_scale = self._vace_hint_cache = None
-            self._num_reference_latent_frames = 0
+        rollout_kwargs = {
+            "latents": latents,
+            "prompt_embeds": prompt_embeds,
+            "negative_prompt_embeds": negative_prompt_embeds,
+            "chunk_bounds": chunk_bounds,
+            "schedule": self.rollout_schedule(num_inference_steps, timesteps, sigmas),
+            "guidance_scale": guidance_scale,
+            "context_noise": context_noise,
+            "generator": generator,
+            "attention_kwargs": attention_kwargs,
+            "callback_on_step_end": callback_on_step_end,
+            "callback_on_step_end_tensor_inputs": callback_on_step_end_tensor_inputs,
+            "keep_cache": keep_cache,
+            "prompt_switches": switches_by_chunk,
+            "recache": recache,
+        }
+        # Read by `prepare_chunk_inputs` until the run is closed.
+        self._vace_control = control.to(transformer_dtype).expand(batch_size, -1, -1, -1, -1)
+        self._vace_scale = conditioning_scale
+        if vace_hint_refresh_interval > 1:
+            self._vace_hint_cache = VACEHintCache(vace_hint_refresh_interval, allow_lossy=allow_lossy)
+        # The reference frames lead the rollout but are not video frames: neither `finish` nor `stream` decodes them.
+        return RolloutRun(
+            self, rollout_kwargs, latents.clone(), num_reference_frames=num_refs, release=self._release_vace_control
+        )
 
-        # 5. Decode (without the reference frames)
-        output = self.decode_latents(video_latents[:, :, num_refs:], output_type)
-        self.maybe_free_model_hooks()
-        if not return_dict:
-            return (output,)
-        return WanPipelineOutput(frames=output)
+    def _release_vace_control(self) -> None:
+        """Drop the control inputs of the last call (its run is closed)."""
+        self._vace_control = self._vace_scale = self._vace_hint_cache = None
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str] | dict[int, str | list[str]] | None = None,
+        negative_prompt: str | list[str] | None = None,
+        video: Any = None,
+        mask: Any = None,
+        reference_images: PIL.Image.Image | list[PIL.Image.Image] | list[list[PIL.Image.Image]] | None = None,
+        conditioning_scale: float | Sequence[float] | torch.Tensor = 1.0,
+        height: int = 480,
+        width: int = 832,
+        num_frames: int = 81,
+        num_inference_steps: int | None = None,
+        timesteps: Sequence[float] | None = None,
+        sigmas: Sequence[float] | None = None,
+        guidance_scale: float = 1.0,
+        chunk_size: int | None = None,
+        context_noise: float | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        output_type: str = "np",
+        return_dict: bool = True,
+        attention_kwargs: dict[str, Any] | None = None,
+        callback_on_step_end: Callable[..., dict[str, torch.Tensor]]
+        | PipelineCallback
+        | MultiPipelineCallbacks
+        | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' signature)
+        max_sequence_length: int = 512,
+        keep_cache: bool = False,
+        recache: bool = False,
+        vace_hint_refresh_interval: int = 1,
+        allow_lossy: bool = False,
+        attention_window: int | None = None,
+        sink_frames: int = 0,
+        kv_cache_engine: str | None = "static",
+    ) -> WanPipelineOutput | tuple:
+        r"""
+        Generate a video steered by a control video, its mask and reference images.
+
+        Args (the others are [`WanCausalPipeline.__call__`]'s):
+            video (list of PIL images, `(F, 3, H, W)` tensor or `(F, H, W, 3)` array in [0, 1], *optional*):
+                The control video at the output size, at least `num_frames` frames (later ones are ignored);
+                zeros when omitted, as in `WanVACEPipeline`.
+            mask (same types, 1 or 3 channels, *optional*):
+                White where the video is to be generated, black where `video` is kept; all white when omitted.
+            reference_images (`PIL.Image.Image` or a list of them, *optional*):
+                Images letterboxed onto a white canvas and prepended as leading latent frames (dropped from the
+                output).
+            conditioning_scale (`float`, a list or a tensor of one value per VACE layer, defaults to `1.0`):
+                Scale of each VACE layer's hint.
+            vace_hint_refresh_interval (`int`, defaults to `1`):
+                1 recomputes the VACE hints at every forward (exact). K > 1 reuses a chunk's hints for the
+                denoising steps between refreshes every K steps, skipping the VACE layers there (lossy; needs
+                `allow_lossy=True`). Cache-filling passes always recompute them.
+            allow_lossy (`bool`, defaults to `False`):
+                Required for `vace_hint_refresh_interval > 1`.
+            attention_window, sink_frames, kv_cache_engine:
+                The KV-cache engines of both branches ("main" and "vace"), as in [`WanCausalPipeline.__call__`].
+
+        Returns:
+            [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`, as [`WanCausalPipeline`].
+        """
+        run = self.prepare_rollout(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            video=video,
+            mask=mask,
+            reference_images=reference_images,
+            conditioning_scale=conditioning_scale,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            timesteps=timesteps,
+            sigmas=sigmas,
+            guidance_scale=guidance_scale,
+            chunk_size=chunk_size,
+            context_noise=context_noise,
+            generator=generator,
+            latents=latents,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            output_type=output_type,
+            attention_kwargs=attention_kwargs,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            max_sequence_length=max_sequence_length,
+            keep_cache=keep_cache,
+            recache=recache,
+            vace_hint_refresh_interval=vace_hint_refresh_interval,
+            allow_lossy=allow_lossy,
+            attention_window=attention_window,
+            sink_frames=sink_frames,
+            kv_cache_engine=kv_cache_engine,
+        )
+
+        # 5. The causal rollout, chunk by chunk
+        with run:
+            for chunk in self.rollout(**run.rollout_kwargs):
+                run.latents[:, :, chunk.start : chunk.end] = chunk.latents
+
+        # 6. Decode (without the reference frames), offload all models
+        return run.finish(output_type, return_dict)

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import get_module_execution_device, randn_tensor
 
 from ..chunking import chunk_bounds, chunk_layout
@@ -66,18 +67,73 @@ class ChunkOutput:
     is_last: bool = False
 
 
+@dataclass
+class RolloutRun:
+    """A generation prepared by a pipeline's ``prepare_rollout`` (the steps of its ``__call__`` before the denoising
+    loop): ``__call__`` and [`LiveRolloutMixin.stream`] both roll it out with ``pipe.rollout(**run.rollout_kwargs)``.
+
+    Use it as a context manager around the rollout: on exit, normal or not, it frees the per-call conditioning the
+    pipeline's rollout hooks read (the image inputs of I2V, the control latents of VACE).
+
+    Args:
+        pipe: the pipeline that prepared the run.
+        rollout_kwargs: keyword arguments of [`CausalRolloutMixin.rollout`], the initial noise ``latents`` included.
+        latents: ``(B, C, F, H, W)`` float32 latents of the whole rollout: the initial noise with the given chunks
+            filled in; ``__call__`` writes each finished chunk into it before [`finish`] decodes it.
+        num_reference_frames: leading latent frames that are not video frames (VACE's reference images): they are
+            generated with the video but never decoded.
+        release: frees the pipeline's per-call state; ``None`` when it keeps none.
+    """
+
+    pipe: CausalRolloutMixin
+    rollout_kwargs: dict[str, Any]
+    latents: torch.Tensor
+    num_reference_frames: int = 0
+    release: Callable[[], None] | None = None
+
+    def __enter__(self) -> RolloutRun:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.release is not None:
+            self.release()
+
+    def finish(self, output_type: str, return_dict: bool) -> WanPipelineOutput | tuple:
+        """Decode ``latents`` without the reference frames, offload the models and return the frames as
+        ``__call__`` does: a ``WanPipelineOutput``, or ``(frames,)`` when ``return_dict`` is ``False``."""
+        pipe = self.pipe
+        video = pipe.decode_latents(self.latents[:, :, self.num_reference_frames :], output_type)
+        pipe.maybe_free_model_hooks()
+        if not return_dict:
+            return (video,)
+        return WanPipelineOutput(frames=video)
+
+
 class CausalRolloutMixin(LiveRolloutMixin):
     r"""Chunk loop of the causal Wan pipelines, written as a generator that yields each finished chunk.
 
     The host pipeline provides ``transformer`` (a causal Wan transformer), ``scheduler``
     (`FlowMatchEulerDiscreteScheduler`, ``stochastic_sampling=True`` for the students' few-step update), ``vae``,
-    ``video_processor`` and [`~DiffusionPipeline.progress_bar`]. ``__call__`` consumes [`rollout`] to the end;
-    [`LiveRolloutMixin.stream`] hands its chunks out one by one as the rollout yields them.
+    ``video_processor`` and [`~DiffusionPipeline.progress_bar`], and implements [`prepare_rollout`]. ``__call__``
+    consumes [`rollout`] to the end; [`LiveRolloutMixin.stream`] hands its chunks out one by one as the rollout
+    yields them.
     """
 
     _callback_tensor_inputs = ["latents", "prompt_embeds", "negative_prompt_embeds"]
 
     # ------------------------------------------------------------------ hooks for the pipeline variants
+    def prepare_rollout(self, **call_kwargs) -> RolloutRun:
+        """Everything ``__call__`` does before its denoising loop, shared with [`LiveRolloutMixin.stream`].
+
+        Takes the arguments of ``__call__`` but ``return_dict``, all of them by keyword: checks them (before any
+        model work), encodes the prompts and the conditioning, prepares the latents and the per-chunk conditioning
+        the hooks below read, and configures the KV cache.
+
+        Returns:
+            The [`RolloutRun`] to roll out.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement `prepare_rollout`.")
+
     def prepare_chunk_inputs(
         self,
         chunk_index: int,
@@ -509,10 +565,7 @@ class CausalRolloutMixin(LiveRolloutMixin):
                             )
                         history.append(RolloutChunk(chunk_index, start, end, clean, context))
                     is_last = chunk_index == first_index + len(chunk_bounds) - 1
-                    output = ChunkOutput(chunk_index, start, end, clean, is_last)
-                    if self._on_chunk_done is not None:
-                        self._on_chunk_done(output)
-                    yield output
+                    yield ChunkOutput(chunk_index, start, end, clean, is_last)
             finished = True
         finally:
             self._current_timestep = None
