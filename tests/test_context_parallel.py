@@ -159,13 +159,10 @@ def ranks(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def single():
     """The same work in one process."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     pipe, calls = make_pipe()
     results = {"t2v": rollout(pipe, calls), "cfg": rollout(pipe, calls, guidance_scale=3.0)}
     results["decoded"] = rollout(pipe, calls, output_type="np", num_frames=5)["out"]
     results["windowed"] = windowed_calls(tiny_transformer())
-    torch.set_num_threads(threads)
     return results
 
 

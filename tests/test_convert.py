@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_WAN_CONFIG
 from diffusers import WanTransformer3DModel
 
 from fastgen_diffusers.convert import (
@@ -22,17 +23,7 @@ from fastgen_diffusers.convert import (
     warp_timesteps,
 )
 
-TINY = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 2,
-    "attention_head_dim": 32,
-    "in_channels": 16,
-    "out_channels": 16,
-    "text_dim": 32,
-    "freq_dim": 256,
-    "ffn_dim": 64,
-    "num_layers": 2,
-}
+TINY = {key: value for key, value in TINY_WAN_CONFIG.items() if key != "rope_max_seq_len"}
 TINY_I2V = {**TINY, "in_channels": 36, "image_dim": 8, "added_kv_proj_dim": 64, "pos_embed_seq_len": 6}
 
 # diffusers -> original Wan names, written out independently of the converter (the inverse of its mapping).

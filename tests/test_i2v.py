@@ -20,15 +20,6 @@ IMAGE_DIM = 4
 INNER_DIM = 16  # 2 heads x 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one intra-op thread (several threads thrash on a shared CPU); restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_transformer(
     in_channels: int, out_channels: int, *, image: bool = False, **config
 ) -> WanCausalTransformer3DModel:

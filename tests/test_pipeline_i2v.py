@@ -28,15 +28,6 @@ SIZE = {"wan2.1-i2v": 32, "ti2v": 64, "t2v-student": 32}  # 4x4 latents (Wan2.2 
 PROMPT = "a red fox runs through fresh snow"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one intra-op thread (several threads thrash on a shared CPU); restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_wan22_vae(seed: int = 0) -> AutoencoderKLWan:
     """A Wan2.2-style VAE (z_dim 48, residual blocks, patch 2: 16x spatial, 4x temporal) at test size."""
     torch.manual_seed(seed)

@@ -24,15 +24,6 @@ NUM_FRAMES = 25  # 7 latent frames: chunks [0, 4) and [4, 7) (the first chunk ab
 STEPS = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny ops run fastest on one thread when the CPU is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def pipe() -> WanCausalPipeline:
     pipe = tiny_pipeline()

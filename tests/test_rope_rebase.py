@@ -15,15 +15,6 @@ TABLE = 16
 NUM_FRAMES = 40  # past the table twice
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and the CI machine is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def inputs():
     gen = torch.Generator().manual_seed(6)

@@ -11,15 +11,6 @@ from fastgen_diffusers import StaticKVCacheEngine, VanillaKVCacheEngine, expecte
 NUM_FRAMES = 11  # chunk_size 3: chunks (5, 3, 3)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and the CI machine is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     return make_causal_transformer(chunk_size=3)

@@ -12,15 +12,6 @@ NUM_FRAMES = 12  # chunk_size 2: six chunks
 WINDOWS = [(4, 0), (5, 1), (6, 2)]  # (window_frames, sink_frames)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and the CI machine is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     return make_causal_transformer(chunk_size=2)
