@@ -390,10 +390,6 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         self.check_window_fits_chunks(
             attention_window, sink_frames, self.rollout_chunk_bounds(num_latent_frames, chunk_size)
         )
-        self._guidance_scale = guidance_scale
-        self._attention_kwargs = attention_kwargs
-        self._current_timestep = None
-        self._interrupt = False
 
         # 2. Define call parameters
         device = self._execution_device
@@ -405,20 +401,10 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             batch_size = prompt_embeds.shape[0]
 
         # 3. Encode input prompt
-        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
-            prompt=prompt,
-            negative_prompt=negative_prompt,
-            do_classifier_free_guidance=self.do_classifier_free_guidance,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-            max_sequence_length=max_sequence_length,
-            device=device,
-        )
-        transformer_dtype = self.transformer.dtype
-        prompt_embeds = prompt_embeds.to(device, transformer_dtype)
-        if negative_prompt_embeds is not None:
-            negative_prompt_embeds = negative_prompt_embeds.to(device, transformer_dtype)
-        prompt_switches = self.encode_prompt_switches(prompt_schedule, prompt_embeds, max_sequence_length, device)
+        prompt_embeds, negative_prompt_embeds, prompt_switches = self.encode_rollout_prompts(
+            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, prompt_schedule, guidance_scale,
+            max_sequence_length, device,
+        )  # fmt: skip
 
         # 4. Prepare timesteps (set on the scheduler again at every chunk)
         schedule = self.rollout_schedule(num_inference_steps, timesteps, sigmas)
@@ -435,27 +421,17 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             generator,
             latents,
         )
-        chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
-        switches_by_chunk = self.prompt_switch_chunks(prompt_switches, chunk_bounds)  # may raise: before any reset
-        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, chunk_bounds)
-
-        rollout_kwargs = {
-            "latents": latents,
-            "prompt_embeds": prompt_embeds,
-            "negative_prompt_embeds": negative_prompt_embeds,
-            "chunk_bounds": chunk_bounds,
-            "schedule": schedule,
-            "guidance_scale": guidance_scale,
-            "context_noise": context_noise,
-            "generator": generator,
-            "attention_kwargs": attention_kwargs,
-            "callback_on_step_end": callback_on_step_end,
-            "callback_on_step_end_tensor_inputs": callback_on_step_end_tensor_inputs,
-            "keep_cache": keep_cache,
-            "prompt_switches": switches_by_chunk,
-            "recache": recache,
-        }
-        return RolloutRun(self, rollout_kwargs, latents.clone())
+        chunk_bounds, switches_by_chunk = self.plan_chunks(latents.shape[2], locals(), prompt_switches)
+        return self.rollout_run(
+            locals(),
+            latents.clone(),
+            latents=latents,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            chunk_bounds=chunk_bounds,
+            schedule=schedule,
+            prompt_switches=switches_by_chunk,
+        )
 
     @torch.no_grad()
     @replace_example_docstring(EXAMPLE_DOC_STRING)
@@ -576,38 +552,4 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             `(frames,)` when `return_dict` is `False`. An interrupted rollout returns the finished chunks; the
             latent frames of unfinished chunks are left at their initial noise.
         """
-        run = self.prepare_rollout(
-            prompt=prompt,
-            negative_prompt=negative_prompt,
-            height=height,
-            width=width,
-            num_frames=num_frames,
-            num_inference_steps=num_inference_steps,
-            timesteps=timesteps,
-            sigmas=sigmas,
-            guidance_scale=guidance_scale,
-            chunk_size=chunk_size,
-            context_noise=context_noise,
-            generator=generator,
-            latents=latents,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-            output_type=output_type,
-            attention_kwargs=attention_kwargs,
-            callback_on_step_end=callback_on_step_end,
-            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-            max_sequence_length=max_sequence_length,
-            keep_cache=keep_cache,
-            recache=recache,
-            attention_window=attention_window,
-            sink_frames=sink_frames,
-            kv_cache_engine=kv_cache_engine,
-        )
-
-        # 6. Denoising loop: the causal rollout, chunk by chunk
-        with run:
-            for chunk in self.rollout(**run.rollout_kwargs):
-                run.latents[:, :, chunk.start : chunk.end] = chunk.latents
-
-        # 7. Decode, offload all models
-        return run.finish(output_type, return_dict)
+        return self.run_call(locals())

@@ -493,27 +493,13 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         )
         self.check_context_frames(video, num_frames, chunk_size)
         layout = self.i2v_layout
-        self._guidance_scale = guidance_scale
-        self._attention_kwargs = attention_kwargs
-        self._current_timestep = None
-        self._interrupt = False
         device = self._execution_device
 
         # 2. Encode input prompt
-        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
-            prompt=prompt,
-            negative_prompt=negative_prompt,
-            do_classifier_free_guidance=self.do_classifier_free_guidance,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-            max_sequence_length=max_sequence_length,
-            device=device,
-        )
-        transformer_dtype = self.transformer.dtype
-        prompt_embeds = prompt_embeds.to(device, transformer_dtype)
-        if negative_prompt_embeds is not None:
-            negative_prompt_embeds = negative_prompt_embeds.to(device, transformer_dtype)
-        prompt_switches = self.encode_prompt_switches(prompt_schedule, prompt_embeds, max_sequence_length, device)
+        prompt_embeds, negative_prompt_embeds, prompt_switches = self.encode_rollout_prompts(
+            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, prompt_schedule, guidance_scale,
+            max_sequence_length, device,
+        )  # fmt: skip
 
         # 3. Encode the image or clip (once; every chunk forward reuses the same tensors, so the cross K/V cache
         # recognizes its conditioning)
@@ -528,7 +514,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 if self.uses_image_tokens:
                     embeds = self.encode_image(pixels, device) if image_embeds is None else image_embeds.to(device)
                     embeds = embeds.expand(batch_size, -1, -1) if embeds.shape[0] == 1 else embeds
-                    inputs["image_embeds"] = embeds.to(transformer_dtype).contiguous()
+                    inputs["image_embeds"] = embeds.to(self.transformer.dtype).contiguous()
             else:
                 inputs["context_latents"] = self.encode_video_latents(pixels[:, :, None], device)
 
@@ -545,32 +531,24 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             generator,
             latents,
         )
-        chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
-        switches_by_chunk = self.prompt_switch_chunks(prompt_switches, chunk_bounds)  # may raise: before any reset
-        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, chunk_bounds)
+        chunk_bounds, switches_by_chunk = self.plan_chunks(latents.shape[2], locals(), prompt_switches)
 
         video_latents = latents.clone()
         if "context_latents" in inputs:
             context = inputs["context_latents"]
             video_latents[:, :, : context.shape[2]] = context
-        rollout_kwargs = {
-            "latents": latents,
-            "prompt_embeds": prompt_embeds,
-            "negative_prompt_embeds": negative_prompt_embeds,
-            "chunk_bounds": chunk_bounds,
-            "schedule": schedule,
-            "guidance_scale": guidance_scale,
-            "context_noise": context_noise,
-            "generator": generator,
-            "attention_kwargs": attention_kwargs,
-            "callback_on_step_end": callback_on_step_end,
-            "callback_on_step_end_tensor_inputs": callback_on_step_end_tensor_inputs,
-            "keep_cache": keep_cache,
-            "prompt_switches": switches_by_chunk,
-            "recache": recache,
-        }
         self._i2v_inputs = inputs  # read by the rollout hooks above until the run is closed
-        return RolloutRun(self, rollout_kwargs, video_latents, release=self._release_i2v_inputs)
+        return self.rollout_run(
+            locals(),
+            video_latents,
+            release=self._release_i2v_inputs,
+            latents=latents,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            chunk_bounds=chunk_bounds,
+            schedule=schedule,
+            prompt_switches=switches_by_chunk,
+        )
 
     def _release_i2v_inputs(self) -> None:
         """Drop the image inputs of the last call (its run is closed)."""
@@ -693,41 +671,4 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`: the frames (`frames`), the given image
             or clip first (as the VAE reconstructs it), or `(frames,)` when `return_dict` is `False`.
         """
-        run = self.prepare_rollout(
-            image=image,
-            prompt=prompt,
-            negative_prompt=negative_prompt,
-            video=video,
-            height=height,
-            width=width,
-            num_frames=num_frames,
-            num_inference_steps=num_inference_steps,
-            timesteps=timesteps,
-            sigmas=sigmas,
-            guidance_scale=guidance_scale,
-            chunk_size=chunk_size,
-            context_noise=context_noise,
-            generator=generator,
-            latents=latents,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-            image_embeds=image_embeds,
-            output_type=output_type,
-            attention_kwargs=attention_kwargs,
-            callback_on_step_end=callback_on_step_end,
-            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-            max_sequence_length=max_sequence_length,
-            keep_cache=keep_cache,
-            recache=recache,
-            attention_window=attention_window,
-            sink_frames=sink_frames,
-            kv_cache_engine=kv_cache_engine,
-        )
-
-        # 5. Denoising loop: the shared causal rollout, conditioned through the hooks above
-        with run:
-            for chunk in self.rollout(**run.rollout_kwargs):
-                run.latents[:, :, chunk.start : chunk.end] = chunk.latents
-
-        # 6. Decode, offload all models
-        return run.finish(output_type, return_dict)
+        return self.run_call(locals())

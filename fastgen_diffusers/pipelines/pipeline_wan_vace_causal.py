@@ -324,27 +324,13 @@ class WanCausalVACEPipeline(WanCausalPipeline):
             callback_on_step_end_tensor_inputs,
             max_sequence_length,
         )
-        self._guidance_scale = guidance_scale
-        self._attention_kwargs = attention_kwargs
-        self._current_timestep = None
-        self._interrupt = False
 
         # 2. Prompts
         device = self._execution_device
-        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
-            prompt=prompt,
-            negative_prompt=negative_prompt,
-            do_classifier_free_guidance=self.do_classifier_free_guidance,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-            max_sequence_length=max_sequence_length,
-            device=device,
-        )
-        transformer_dtype = self.transformer.dtype
-        prompt_embeds = prompt_embeds.to(device, transformer_dtype)
-        if negative_prompt_embeds is not None:
-            negative_prompt_embeds = negative_prompt_embeds.to(device, transformer_dtype)
-        prompt_switches = self.encode_prompt_switches(prompt_schedule, prompt_embeds, max_sequence_length, device)
+        prompt_embeds, negative_prompt_embeds, prompt_switches = self.encode_rollout_prompts(
+            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, prompt_schedule, guidance_scale,
+            max_sequence_length, device,
+        )  # fmt: skip
         batch_size = prompt_embeds.shape[0]
 
         # 3. Control latents (one control video, shared by the batch) and noise
@@ -362,35 +348,25 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         )
 
         # 4. Chunks, prompt switches and KV cache
-        chunk_bounds = self.rollout_chunk_bounds(latents.shape[2], chunk_size)
         # Prompt schedules count the video's pixel frames: the reference latent frames come before its frame 0.
-        video_bounds = [(max(start - num_refs, 0), end - num_refs) for start, end in chunk_bounds]
-        switches_by_chunk = self.prompt_switch_chunks(prompt_switches, video_bounds)  # may raise: before any reset
-        self.configure_kv_cache(kv_cache_engine, attention_window, sink_frames, chunk_bounds)
-        rollout_kwargs = {
-            "latents": latents,
-            "prompt_embeds": prompt_embeds,
-            "negative_prompt_embeds": negative_prompt_embeds,
-            "chunk_bounds": chunk_bounds,
-            "schedule": self.rollout_schedule(num_inference_steps, timesteps, sigmas),
-            "guidance_scale": guidance_scale,
-            "context_noise": context_noise,
-            "generator": generator,
-            "attention_kwargs": attention_kwargs,
-            "callback_on_step_end": callback_on_step_end,
-            "callback_on_step_end_tensor_inputs": callback_on_step_end_tensor_inputs,
-            "keep_cache": keep_cache,
-            "prompt_switches": switches_by_chunk,
-            "recache": recache,
-        }
+        chunk_bounds, switches_by_chunk = self.plan_chunks(latents.shape[2], locals(), prompt_switches, num_refs)
         # Read by `prepare_chunk_inputs` until the run is closed.
-        self._vace_control = control.to(transformer_dtype).expand(batch_size, -1, -1, -1, -1)
+        self._vace_control = control.to(self.transformer.dtype).expand(batch_size, -1, -1, -1, -1)
         self._vace_scale = conditioning_scale
         if vace_hint_refresh_interval > 1:
             self._vace_hint_cache = VACEHintCache(vace_hint_refresh_interval, allow_lossy=allow_lossy)
         # The reference frames lead the rollout but are not video frames: neither `finish` nor `stream` decodes them.
-        return RolloutRun(
-            self, rollout_kwargs, latents.clone(), num_reference_frames=num_refs, release=self._release_vace_control
+        return self.rollout_run(
+            locals(),
+            latents.clone(),
+            release=self._release_vace_control,
+            num_reference_frames=num_refs,
+            latents=latents,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            chunk_bounds=chunk_bounds,
+            schedule=self.rollout_schedule(num_inference_steps, timesteps, sigmas),
+            prompt_switches=switches_by_chunk,
         )
 
     def _release_vace_control(self) -> None:
@@ -462,44 +438,4 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         Returns:
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`, as [`WanCausalPipeline`].
         """
-        run = self.prepare_rollout(
-            prompt=prompt,
-            negative_prompt=negative_prompt,
-            video=video,
-            mask=mask,
-            reference_images=reference_images,
-            conditioning_scale=conditioning_scale,
-            height=height,
-            width=width,
-            num_frames=num_frames,
-            num_inference_steps=num_inference_steps,
-            timesteps=timesteps,
-            sigmas=sigmas,
-            guidance_scale=guidance_scale,
-            chunk_size=chunk_size,
-            context_noise=context_noise,
-            generator=generator,
-            latents=latents,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-            output_type=output_type,
-            attention_kwargs=attention_kwargs,
-            callback_on_step_end=callback_on_step_end,
-            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-            max_sequence_length=max_sequence_length,
-            keep_cache=keep_cache,
-            recache=recache,
-            vace_hint_refresh_interval=vace_hint_refresh_interval,
-            allow_lossy=allow_lossy,
-            attention_window=attention_window,
-            sink_frames=sink_frames,
-            kv_cache_engine=kv_cache_engine,
-        )
-
-        # 5. The causal rollout, chunk by chunk
-        with run:
-            for chunk in self.rollout(**run.rollout_kwargs):
-                run.latents[:, :, chunk.start : chunk.end] = chunk.latents
-
-        # 6. Decode (without the reference frames), offload all models
-        return run.finish(output_type, return_dict)
+        return self.run_call(locals())

@@ -47,6 +47,18 @@ from ..parallel import is_main_process
 from .live import MAIN_BRANCH, KeptRollout, LiveRolloutMixin, RolloutChunk, branch_cache_tags
 from .streaming_decode import StreamingWanDecoder
 
+# Arguments of a pipeline's `__call__` that `rollout` takes as they are (after `prepare_rollout` resolved defaults).
+ROLLOUT_CALL_ARGUMENTS = (
+    "guidance_scale",
+    "context_noise",
+    "generator",
+    "attention_kwargs",
+    "callback_on_step_end",
+    "callback_on_step_end_tensor_inputs",
+    "keep_cache",
+    "recache",
+)
+
 
 @dataclass
 class ChunkOutput:
@@ -133,6 +145,90 @@ class CausalRolloutMixin(LiveRolloutMixin):
             The [`RolloutRun`] to roll out.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement `prepare_rollout`.")
+
+    def run_call(self, call_arguments: Mapping[str, Any]) -> WanPipelineOutput | tuple:
+        """The body of every causal pipeline's ``__call__``, which passes its ``locals()``: prepare, roll out chunk by
+        chunk, decode."""
+        arguments = {name: value for name, value in call_arguments.items() if name not in ("self", "__class__")}
+        return_dict = arguments.pop("return_dict")
+        run = self.prepare_rollout(**arguments)
+
+        # 6. Denoising loop: the causal rollout, chunk by chunk
+        with run:
+            for chunk in self.rollout(**run.rollout_kwargs):
+                run.latents[:, :, chunk.start : chunk.end] = chunk.latents
+
+        # 7. Decode, offload all models
+        return run.finish(arguments["output_type"], return_dict)
+
+    def encode_rollout_prompts(
+        self,
+        prompt: str | list[str] | None,
+        negative_prompt: str | list[str] | None,
+        prompt_embeds: torch.Tensor | None,
+        negative_prompt_embeds: torch.Tensor | None,
+        prompt_schedule: Mapping[int, Any],
+        guidance_scale: float,
+        max_sequence_length: int,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[int, torch.Tensor]]:
+        """Prompt and negative prompt embeddings ``(B, L, text_dim)`` in the transformer's dtype (the negative one only
+        with CFG), and the embeddings of the prompt schedule's later switches ``{pixel_frame: (B, L, text_dim)}``."""
+        self._guidance_scale = guidance_scale
+        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            do_classifier_free_guidance=self.do_classifier_free_guidance,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            max_sequence_length=max_sequence_length,
+            device=device,
+        )
+        dtype = self.transformer.dtype
+        prompt_embeds = prompt_embeds.to(device, dtype)
+        if negative_prompt_embeds is not None:
+            negative_prompt_embeds = negative_prompt_embeds.to(device, dtype)
+        switches = self.encode_prompt_switches(prompt_schedule, prompt_embeds, max_sequence_length, device)
+        return prompt_embeds, negative_prompt_embeds, switches
+
+    def plan_chunks(
+        self,
+        num_latent_frames: int,
+        call_arguments: Mapping[str, Any],
+        prompt_switches: Mapping[int, torch.Tensor],
+        leading_frames: int = 0,
+    ) -> tuple[list[tuple[int, int]], dict[int, torch.Tensor]]:
+        """The chunk bounds of a rollout of ``num_latent_frames`` and its prompt switches by chunk, then fresh KV-cache
+        engines for it (after every check that can raise, so a bad schedule never resets a kept rollout).
+
+        ``call_arguments`` supplies ``chunk_size``, ``kv_cache_engine``, ``attention_window`` and ``sink_frames``;
+        ``leading_frames`` latent frames (VACE's reference images) come before the video's frame 0.
+        """
+        bounds = self.rollout_chunk_bounds(num_latent_frames, call_arguments["chunk_size"])
+        video_bounds = [(max(start - leading_frames, 0), end - leading_frames) for start, end in bounds]
+        switches_by_chunk = self.prompt_switch_chunks(prompt_switches, video_bounds)
+        self.configure_kv_cache(
+            call_arguments["kv_cache_engine"],
+            call_arguments["attention_window"],
+            call_arguments["sink_frames"],
+            bounds,
+        )
+        return bounds, switches_by_chunk
+
+    def rollout_run(
+        self,
+        call_arguments: Mapping[str, Any],
+        video_latents: torch.Tensor,
+        *,
+        release: Callable[[], None] | None = None,
+        num_reference_frames: int = 0,
+        **rollout_kwargs: Any,
+    ) -> RolloutRun:
+        """The [`RolloutRun`] of a prepared call: ``rollout_kwargs`` (the prepared ``latents``, embeddings,
+        ``chunk_bounds``, ``schedule``, ``prompt_switches``) plus the call's own ``ROLLOUT_CALL_ARGUMENTS`` taken from
+        ``call_arguments`` (the ``locals()`` of ``prepare_rollout``, defaults resolved)."""
+        kwargs = {name: call_arguments[name] for name in ROLLOUT_CALL_ARGUMENTS} | rollout_kwargs
+        return RolloutRun(self, kwargs, video_latents, num_reference_frames, release)
 
     def prepare_chunk_inputs(
         self,
