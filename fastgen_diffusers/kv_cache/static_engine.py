@@ -40,6 +40,9 @@ class StaticSelfEntry:
 
     key: torch.Tensor
     value: torch.Tensor
+    # ``(start_frame, end_frame, key.data_ptr())`` of the call whose K/V the attention fast path just wrote into their
+    # slots; the store of that same call then has nothing left to copy. Cleared at every attention call.
+    written: tuple[int, int, int] | None = None
 
 
 class StaticKVCacheEngine(BaseKVCacheEngine):
@@ -138,10 +141,12 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         single_chunk = first_chunk_frames is None or first_chunk_frames == num_frames
         in_frame_order = self.window_frames is None or end_frame <= self.window_frames
         hot = start_frame == state.num_frames and (single_chunk or in_frame_order)
+        entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
+        entry.written = None
         if not hot or key.requires_grad or value.requires_grad:
             return super().self_attention_kv(block_idx, cache_tag, key, value, start_frame, first_chunk_frames)
-        entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
         self._write(entry, seqlen, key, value, start_frame, (start_frame, end_frame))
+        entry.written = (start_frame, end_frame, key.data_ptr())
         visible = end_frame if self.window_frames is None else min(end_frame, self.window_frames)
         return entry.key[:, : visible * seqlen], entry.value[:, : visible * seqlen]
 
@@ -162,8 +167,11 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
         state = self._tags[cache_tag]
         end_frame = start_frame + key.shape[1] // state.frame_seqlen
-        for frames in self._store_window(state, start_frame, end_frame):
-            self._write(entry, state.frame_seqlen, key.detach(), value.detach(), start_frame, frames)
+        already_in_slots = entry.written == (start_frame, end_frame, key.data_ptr())
+        entry.written = None
+        for frames in self._store_window(state, start_frame, end_frame):  # the bookkeeping runs either way
+            if not already_in_slots:
+                self._write(entry, state.frame_seqlen, key.detach(), value.detach(), start_frame, frames)
 
     def _truncate_self_entry(self, entry: StaticSelfEntry, state: TagState, end_frame: int) -> None:
         """Nothing to free: slots are fixed, and the tag state says which frames are held."""
