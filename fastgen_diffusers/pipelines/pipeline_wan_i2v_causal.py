@@ -46,6 +46,7 @@ from transformers.image_processing_utils import BaseImageProcessor
 from ..models import WanCausalTransformer3DModel
 from .pipeline_wan_causal import WanCausalPipeline
 from .rollout import RolloutRun
+from .streaming_decode import latent_statistics
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 
@@ -190,9 +191,8 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         vae = self.vae
         video = video.to(get_module_execution_device(vae), dtype=vae.dtype)
         latents = vae.encode(video).latent_dist.mode().to(device, torch.float32)
-        latents_mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
-        latents_std = torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
-        return (latents - latents_mean) / latents_std
+        mean, std = latent_statistics(vae, latents)
+        return (latents - mean) / std
 
     def prepare_image_condition(self, pixels: torch.Tensor, num_frames: int, device: torch.device) -> torch.Tensor:
         """Wan2.1 I2V condition ``(B, 4 + z_dim, F', h, w)``: the first-frame mask (4 temporal sub-channels, ones on

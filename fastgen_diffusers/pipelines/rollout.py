@@ -45,7 +45,7 @@ from ..chunking import chunk_bounds, chunk_layout
 from ..kv_cache import ENGINE_KINDS, make_engines
 from ..parallel import is_main_process
 from .live import MAIN_BRANCH, KeptRollout, LiveRolloutMixin, RolloutChunk, branch_cache_tags
-from .streaming_decode import StreamingWanDecoder
+from .streaming_decode import StreamingWanDecoder, denormalize_latents
 
 # Arguments of a pipeline's `__call__` that `rollout` takes as they are (after `prepare_rollout` resolved defaults).
 ROLLOUT_CALL_ARGUMENTS = (
@@ -692,9 +692,6 @@ class CausalRolloutMixin(LiveRolloutMixin):
         if not vae.use_tiling:  # frame by frame like `stream`, so that streamed and returned frames are identical
             with StreamingWanDecoder(vae) as decoder:
                 return self.video_processor.postprocess_video(decoder.decode(latents), output_type=output_type)
-        latents = latents.to(get_module_execution_device(vae), dtype=vae.dtype)
-        latents_mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
-        latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
-        latents = latents / latents_std + latents_mean
+        latents = denormalize_latents(vae, latents.to(get_module_execution_device(vae), dtype=vae.dtype))
         video = vae.decode(latents, return_dict=False)[0]
         return self.video_processor.postprocess_video(video, output_type=output_type)

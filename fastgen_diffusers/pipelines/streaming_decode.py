@@ -19,6 +19,21 @@ from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
 
 
+def latent_statistics(vae: AutoencoderKLWan, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE's per-channel latent mean and std, each ``(1, z_dim, 1, 1, 1)`` on ``like``'s device and dtype."""
+    config = vae.config
+    mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(like)
+    std = torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(like)
+    return mean, std
+
+
+def denormalize_latents(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
+    """``z * latents_std + latents_mean``, with `WanPipeline`'s arithmetic (``z / (1 / std) + mean``) for bit-equal
+    frames."""
+    mean, std = latent_statistics(vae, latents)
+    return latents / (1.0 / std) + mean
+
+
 class StreamingWanDecoder:
     r"""Decode the latent chunks of one video as they come, carrying the Wan VAE's causal feature cache across them.
 
@@ -46,9 +61,6 @@ class StreamingWanDecoder:
     def __init__(self, vae: AutoencoderKLWan):
         self.vae = vae
         self._num_convs = sum(isinstance(module, WanCausalConv3d) for module in vae.decoder.modules())
-        config = vae.config
-        self._latents_mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1)
-        self._latents_std = torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1)
         self._feat_cache: list | None = None
         self.num_latent_frames = 0
 
@@ -96,9 +108,7 @@ class StreamingWanDecoder:
         if hook is not None and hasattr(hook, "pre_forward"):
             hook.pre_forward(vae)  # CPU offload: the same call `vae.decode` makes through `apply_forward_hook`
         device = next(vae.decoder.parameters()).device
-        latents = latents.to(device, dtype=vae.dtype)
-        mean, std = self._latents_mean.to(latents), self._latents_std.to(latents)
-        latents = latents / (1.0 / std) + mean  # the same arithmetic as WanPipeline, for bit-equal frames
+        latents = denormalize_latents(vae, latents.to(device, dtype=vae.dtype))
 
         frames = []
         for i in range(latents.shape[2]):
