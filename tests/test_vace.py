@@ -8,24 +8,12 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
+from conftest import TINY_WAN_CONFIG
 from diffusers import WanVACETransformer3DModel
 
 from fastgen_diffusers import VACEHintCache, WanCausalVACETransformer3DModel
 
-TINY_VACE_CONFIG = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 2,
-    "attention_head_dim": 32,
-    "in_channels": 16,
-    "out_channels": 16,
-    "text_dim": 32,
-    "freq_dim": 256,
-    "ffn_dim": 64,
-    "num_layers": 3,
-    "rope_max_seq_len": 1024,
-    "vace_layers": [0, 2],
-    "vace_in_channels": 96,
-}
+TINY_VACE_CONFIG = {**TINY_WAN_CONFIG, "num_layers": 3, "vace_layers": [0, 2], "vace_in_channels": 96}
 CHUNK = 2
 FRAMES = 6  # three chunks of two latent frames
 
