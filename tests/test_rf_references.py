@@ -301,8 +301,11 @@ def test_rolling_forcing_schedule_and_positions(rolling):
             renoise_keys.add(f"window{w}.block{entry['block']}.renoise_noise")
         expected_renoised = [b for b in range(start, end + 1) if window["block_timesteps"][b - start] != steps[-1]]
         assert [e["block"] for e in window["renoised_blocks"]] == expected_renoised
-    windows_keys = {f"window{w}.{k}" for w in range(meta["window_num"]) for k in
-                    ("noisy_input", "flow_pred", "commit.input", "commit.flow_pred")}
+    windows_keys = {
+        f"window{w}.{k}"
+        for w in range(meta["window_num"])
+        for k in ("noisy_input", "flow_pred", "commit.input", "commit.flow_pred")
+    }
     assert set(outputs) == windows_keys | {"final_latents"}
     assert set(inputs) == renoise_keys | {"noise", "prompt_embeds"}
     # the anchor leaves absolute position 0 from window 7 on, and the cache evicts (24 frames) from window 12 on
