@@ -4,8 +4,10 @@ from .base import BaseKVCacheEngine, CrossKVEntry, CrossKVMode, TagState, expect
 from .factory import ENGINE_KINDS, make_engines
 from .static_engine import StaticKVCacheEngine
 from .vanilla_engine import KVCacheEngine, VanillaKVCacheEngine
+from .window import AttentionWindow
 
 __all__ = [
+    "AttentionWindow",
     "BaseKVCacheEngine",
     "CrossKVEntry",
     "CrossKVMode",

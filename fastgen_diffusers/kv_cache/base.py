@@ -9,8 +9,6 @@ attribute           indexed by                                  holds
 ``_self_kv``        ``[block_idx][cache_tag]``                  the self-attention entry (engine-specific)
 ``_cross_kv``       ``[block_idx][cache_tag]``                  a :class:`CrossKVEntry`
 ``_module_to_block````id(attn_module)``                         block index of a registered module
-``_block_masks``    ``(device, num_frames, frame_seqlen,``      memoized block-causal masks
-                    ``chunk_layout, mask_kind)``
 ``_tags``           ``cache_tag``                               a :class:`TagState` (shape, dtype, frames)
 ==================  ==========================================  ==========================================
 
@@ -26,13 +24,11 @@ written):
 * cross-attention K/V are filled by the first ``store_kv`` call of a tag, read by later no-grad calls with the same
   conditioning, and recomputed (never read) when gradients are enabled or the conditioning differs.
 
-Sliding window and sink (``window_frames``, ``sink_frames``; Self-Forcing's ``local_attn_size`` / ``sink_size``): a
-chunk attends to at most ``window_frames`` latent frames in total, counting its own frames and the first
-``sink_frames`` frames of the video, which are never evicted. A chunk ``[s, e)`` sees frame ``k`` iff ``k < e`` and
-(``k < sink_frames`` or ``k >= e - (window_frames - sink_frames)``). Eviction is per frame and the same in every
-engine: a call evicts the non-sink frames before its first chunk's window, a store keeps the sink and the last
-``window_frames - sink_frames`` frames. Keys are stored after RoPE, so positions stay absolute. A call that needs an
-evicted frame is an error (see :meth:`BaseKVCacheEngine.visible_window`).
+Sliding window and sink (``window_frames``, ``sink_frames``): the engine's :class:`AttentionWindow` (``self.window``)
+states the rule once; the engine evicts what it says is out of every later window, per frame and the same in every
+engine: a call evicts the non-sink frames before its first chunk's window, a store keeps the sink and the frames
+from :meth:`AttentionWindow.recent_start` on. Keys are stored after RoPE, so positions stay absolute. A call that
+needs an evicted frame is an error.
 """
 
 from __future__ import annotations
@@ -47,6 +43,7 @@ import torch
 from torch import nn
 
 from .conditioning import ConditioningKey
+from .window import AttentionWindow
 
 
 class CrossKVMode(str, enum.Enum):
@@ -122,27 +119,20 @@ class BaseKVCacheEngine:
     """
 
     def __init__(self, *, window_frames: int | None = None, sink_frames: int = 0) -> None:
-        if window_frames is not None and (isinstance(window_frames, bool) or not isinstance(window_frames, int)):
-            raise ValueError(f"`window_frames` must be None or a positive int, got {window_frames!r}.")
-        if window_frames is not None and window_frames < 1:
-            raise ValueError(f"`window_frames` must be None or a positive int, got {window_frames}.")
-        if isinstance(sink_frames, bool) or not isinstance(sink_frames, int) or sink_frames < 0:
-            raise ValueError(f"`sink_frames` must be an int >= 0, got {sink_frames!r}.")
-        if sink_frames and window_frames is None:
-            raise ValueError(f"`sink_frames={sink_frames}` needs a sliding window: set `window_frames` as well.")
-        if window_frames is not None and sink_frames >= window_frames:
-            raise ValueError(
-                f"`sink_frames` must leave room in the window for the chunk itself: got sink_frames={sink_frames} "
-                f"with window_frames={window_frames} (expected sink_frames < window_frames)."
-            )
-        self.window_frames = window_frames
-        self.sink_frames = sink_frames
+        self.window = AttentionWindow.from_arguments(window_frames, sink_frames, frames_name="window_frames")
         self._self_kv: list[dict[str, Any]] = []
         self._cross_kv: list[dict[str, CrossKVEntry]] = []
         self._module_to_block: dict[int, int] = {}
         self._registered_blocks: list[tuple[nn.Module, ...]] = []
-        self._block_masks: dict[tuple, Any] = {}
         self._tags: dict[str, TagState] = {}
+
+    @property
+    def window_frames(self) -> int | None:
+        return self.window.frames
+
+    @property
+    def sink_frames(self) -> int:
+        return self.window.sink
 
     # ------------------------------------------------------------------ registration
     def register_blocks(self, blocks: Sequence[nn.Module]) -> None:
@@ -217,7 +207,7 @@ class BaseKVCacheEngine:
         ``chunk_layout`` is the call's split into chunks (frame counts); windowed engines check that each chunk fits
         the window and that the frames its first chunk attends to are still held.
         """
-        self._check_window_layout(start_frame, chunk_layout)
+        self.window.check_layout(start_frame, chunk_layout)
         state = self._tags.get(cache_tag)
         stored = 0 if state is None else state.num_frames
         if start_frame < 0:
@@ -234,7 +224,7 @@ class BaseKVCacheEngine:
                 f"`start_frame={start_frame}` is inside a stored chunk of cache_tag {cache_tag!r}; calls must start "
                 f"at a chunk boundary the cache can serve: one of {sorted(set(state.chunk_starts + [stored]))}."
             )
-        self._check_evicted(state, cache_tag, start_frame, chunk_layout[0])
+        self.window.check_held(start_frame, chunk_layout[0], state.evicted_before, f"cache_tag {cache_tag!r}")
         given = {
             "batch_size": batch_size,
             "frame_seqlen": frame_seqlen,
@@ -251,55 +241,15 @@ class BaseKVCacheEngine:
                     f"{name}={given[name]}{hint}. Call `clear_caches()` (or use another cache_tag) before changing it."
                 )
 
-    def _check_window_layout(self, start_frame: int, chunk_layout: tuple[int, ...]) -> None:
-        """Every chunk must see all of its own frames: its non-sink frames must fit ``window - sink``."""
-        if self.window_frames is None:
-            return
-        room = self.window_frames - self.sink_frames
-        chunk_start = start_frame
-        for frames in chunk_layout:
-            chunk_end = chunk_start + frames
-            if chunk_end - max(chunk_start, self.sink_frames) > room:
-                raise ValueError(
-                    f"The chunk of latent frames [{chunk_start}, {chunk_end}) does not fit the attention window: "
-                    f"window_frames={self.window_frames} with sink_frames={self.sink_frames} leaves {room} frames for "
-                    f"a chunk's own non-sink frames, this chunk has {chunk_end - max(chunk_start, self.sink_frames)}. "
-                    "Use a larger `window_frames` (or smaller chunks)."
-                )
-            chunk_start = chunk_end
-
-    def _check_evicted(self, state: TagState, cache_tag: str, start_frame: int, first_chunk_frames: int) -> None:
-        """Raise when the first chunk of a call at ``start_frame`` attends to frames the window has evicted."""
-        _, recent_start = self.visible_window(start_frame, first_chunk_frames)
-        if recent_start < start_frame and recent_start < state.evicted_before:
-            raise ValueError(
-                f"A call at start_frame={start_frame} whose first chunk has {first_chunk_frames} frames attends to "
-                f"cached frames [{recent_start}, {start_frame}) of cache_tag {cache_tag!r}, but this engine "
-                f"(window_frames={self.window_frames}, sink_frames={self.sink_frames}) no longer holds the frames "
-                f"before {state.evicted_before}. Re-run the rollout from an earlier stored frame."
-            )
-
     def visible_window(self, start_frame: int, first_chunk_frames: int) -> tuple[int, int]:
-        """``(sink_end, recent_start)``: the cached frames a call's first chunk attends to are
-        ``[0, sink_end)`` and ``[recent_start, start_frame)``.
-
-        Without a window that is every frame ``< start_frame`` (``(0, 0)``). With one, the first chunk of
-        ``first_chunk_frames`` frames ending at ``e = start_frame + first_chunk_frames`` sees the sink and the frames
-        ``>= e - (window_frames - sink_frames)``. Later chunks of a multi-chunk call see a subset of that prefix.
-        """
-        if self.window_frames is None:
-            return 0, 0
-        sink_end = min(self.sink_frames, start_frame)
-        recent_start = start_frame + first_chunk_frames - (self.window_frames - self.sink_frames)
-        return sink_end, min(max(sink_end, recent_start), start_frame)
+        """``(sink_end, recent_start)``: the cached frames a call's first chunk attends to are ``[0, sink_end)`` and
+        ``[recent_start, start_frame)`` (:meth:`AttentionWindow.visible`)."""
+        return self.window.visible(start_frame, first_chunk_frames)
 
     def held_frames(self, cache_tag: str) -> int:
         """Frames of ``cache_tag`` whose K/V the engine holds (the sink and the frames not evicted)."""
         state = self._tags.get(cache_tag)
-        if state is None:
-            return 0
-        sink_held = min(self.sink_frames, state.num_frames)
-        return sink_held + max(0, state.num_frames - max(self.sink_frames, state.evicted_before))
+        return 0 if state is None else self.window.held_frames(state.num_frames, state.evicted_before)
 
     def begin_call(self, cache_tag: str, start_frame: int, first_chunk_frames: int) -> None:
         """Evict (windowed engines) the non-sink frames before the window of a call about to run.
@@ -308,10 +258,10 @@ class BaseKVCacheEngine:
         branch evicts the same frames.
         """
         state = self._tags.get(cache_tag)
-        if self.window_frames is None or state is None:
+        if not self.window.bounded or state is None:
             return
-        _, recent_start = self.visible_window(start_frame, first_chunk_frames)
-        if recent_start <= max(self.sink_frames, state.evicted_before):
+        _, recent_start = self.window.visible(start_frame, first_chunk_frames)
+        if recent_start <= max(self.window.sink, state.evicted_before):
             return
         state.evicted_before = recent_start
         for block_idx in range(self.num_blocks):
@@ -322,21 +272,11 @@ class BaseKVCacheEngine:
 
         Idempotent, so that every block's :meth:`append_self_kv` may call it.
         """
-        if self.window_frames is None:
-            return [(start_frame, end_frame)]
-        recent_start = max(self.sink_frames, end_frame - (self.window_frames - self.sink_frames))
-        # frames >= start_frame are replaced by this store; the window then evicts what precedes recent_start
-        state.evicted_before = max(min(state.evicted_before, start_frame), recent_start)
-        ranges = []
-        if start_frame < self.sink_frames:
-            ranges.append((start_frame, min(end_frame, self.sink_frames)))
-        first_recent = max(start_frame, recent_start)
-        if first_recent < end_frame:
-            if ranges and ranges[-1][1] == first_recent:
-                ranges[-1] = (ranges[-1][0], end_frame)
-            else:
-                ranges.append((first_recent, end_frame))
-        return ranges
+        if self.window.bounded:
+            # frames >= start_frame are replaced by this store; the window then evicts what precedes recent_start
+            recent_start = self.window.recent_start(end_frame)
+            state.evicted_before = max(min(state.evicted_before, start_frame), recent_start)
+        return self.window.kept_ranges(start_frame, end_frame)
 
     def ensure_capacity(
         self,
@@ -439,8 +379,7 @@ class BaseKVCacheEngine:
     def visible_prefix_frames(self, cache_tag: str, start_frame: int, first_chunk_frames: int) -> int:
         """How many cached frames a call at ``start_frame`` whose first chunk has ``first_chunk_frames`` frames
         attends to (every frame before it, or the window and sink)."""
-        sink_end, recent_start = self.visible_window(start_frame, first_chunk_frames)
-        return sink_end + start_frame - recent_start
+        return self.window.visible_frames(start_frame, first_chunk_frames)
 
     def self_attention_kv(
         self,
@@ -604,23 +543,6 @@ class BaseKVCacheEngine:
                     None if entry.value_img is None else torch.zeros_like(entry.value_img),
                 )
 
-    # ------------------------------------------------------------------ masks
-    def block_mask(
-        self,
-        device: torch.device,
-        num_frames: int,
-        frame_seqlen: int,
-        chunk_layout: tuple[int, ...],
-        mask_kind: tuple,
-        build: Callable[[], Any],
-    ) -> Any:
-        """Memoized mask; ``mask_kind`` names the backend and everything else the mask depends on."""
-        key = (torch.device(device), num_frames, frame_seqlen, chunk_layout, mask_kind)
-        mask = self._block_masks.get(key)
-        if mask is None:
-            mask = self._block_masks[key] = build()
-        return mask
-
     # ------------------------------------------------------------------ memory and lifetime
     def self_cache_bytes(self, cache_tag: str | None = None) -> int:
         """Bytes of the self-attention K/V held (all tags when ``cache_tag`` is ``None``): the cache formula
@@ -651,11 +573,10 @@ class BaseKVCacheEngine:
         return self.self_cache_bytes(cache_tag) + self.cross_cache_bytes(cache_tag)
 
     def clear(self, cache_tag: str | None = None) -> None:
-        """Free the entries of ``cache_tag`` (every tag and the memoized masks when ``None``)."""
+        """Free the entries of ``cache_tag`` (every tag when ``None``)."""
         if cache_tag is None:
             self._self_kv = [{} for _ in range(self.num_blocks)]
             self._cross_kv = [{} for _ in range(self.num_blocks)]
-            self._block_masks = {}
             self._tags = {}
             return
         self._tags.pop(cache_tag, None)

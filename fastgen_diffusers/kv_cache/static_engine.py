@@ -69,8 +69,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
     # ------------------------------------------------------------------ capacity
     def _capacity_for(self, frames: int) -> int:
         """Frame slots needed to serve ``frames`` frames (at most the window)."""
-        frames = max(frames, self.max_frames or 0)
-        return frames if self.window_frames is None else min(frames, self.window_frames)
+        return self.window.slots(max(frames, self.max_frames or 0))
 
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> StaticSelfEntry:
         slots = self._capacity_for(max_frames or 1) * state.frame_seqlen
@@ -89,9 +88,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             capacity = entry.key.shape[1]
             if capacity >= needed:
                 continue
-            grown = max(needed, 2 * capacity)
-            if self.window_frames is not None:
-                grown = min(grown, self.window_frames * state.frame_seqlen)
+            grown = max(needed, self.window.slots(2 * capacity // state.frame_seqlen) * state.frame_seqlen)
             entry.key = self._grow(entry.key, grown)
             entry.value = self._grow(entry.value, grown)
 
@@ -107,18 +104,18 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         frames when the range passes the window)."""
         if first >= last:
             return []
-        if self.window_frames is None or last <= self.window_frames:
+        window = self.window
+        if window.all_seen_until(last):
             return [(first, first, last - first)]
         runs = []
-        if first < self.sink_frames:
-            runs.append((first, first, self.sink_frames - first))
-            first = self.sink_frames
-        ring = self.window_frames - self.sink_frames
-        slot = self.sink_frames + (first - self.sink_frames) % ring
-        count = min(last - first, self.window_frames - slot)
+        if first < window.sink:
+            runs.append((first, first, window.sink - first))
+            first = window.sink
+        slot = window.sink + (first - window.sink) % window.room
+        count = min(last - first, window.frames - slot)
         runs.append((first, slot, count))
         if first + count < last:
-            runs.append((first + count, self.sink_frames, last - first - count))
+            runs.append((first + count, window.sink, last - first - count))
         return runs
 
     def _write(
@@ -139,7 +136,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         num_frames = key.shape[1] // seqlen
         end_frame = start_frame + num_frames
         single_chunk = first_chunk_frames is None or first_chunk_frames == num_frames
-        in_frame_order = self.window_frames is None or end_frame <= self.window_frames
+        in_frame_order = self.window.all_seen_until(end_frame)
         hot = start_frame == state.num_frames and (single_chunk or in_frame_order)
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
         entry.written = None
@@ -147,13 +144,13 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             return super().self_attention_kv(block_idx, cache_tag, key, value, start_frame, first_chunk_frames)
         self._write(entry, seqlen, key, value, start_frame, (start_frame, end_frame))
         entry.written = (start_frame, end_frame, key.data_ptr())
-        visible = end_frame if self.window_frames is None else min(end_frame, self.window_frames)
+        visible = self.window.slots(end_frame)
         return entry.key[:, : visible * seqlen], entry.value[:, : visible * seqlen]
 
     def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames):
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
         seqlen = self._tags[cache_tag].frame_seqlen
-        sink_end, recent_start = self.visible_window(start_frame, first_chunk_frames)
+        sink_end, recent_start = self.window.visible(start_frame, first_chunk_frames)
         keys, values = [], []
         for first, last in ((0, sink_end), (recent_start, start_frame)):
             for _, slot, count in self._slot_runs(first, last):

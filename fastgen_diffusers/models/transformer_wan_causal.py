@@ -19,6 +19,7 @@ from ..chunking import chunk_layout
 from ..context import CausalContext
 from ..kv_cache import BaseKVCacheEngine, CrossKVMode, KVCacheEngine
 from ..kv_cache.conditioning import ConditioningKey
+from ..kv_cache.masks import BlockMaskMemo
 from ..parallel import (
     check_context_parallel_config,
     check_frame_tokens,
@@ -76,6 +77,7 @@ class CausalWanMixin:
             block.__class__ = WanCausalTransformerBlock
         self.rotary_tables = CausalRotaryTables(attention_head_dim, patch_size, rope_max_seq_len)
         self.block_mask_backend = "auto"
+        self.block_masks = BlockMaskMemo()
         self.rope_rebasing = False
         self._install_causal_processors()
         self.kv_cache_engines: dict[str, BaseKVCacheEngine] = {}
@@ -98,9 +100,10 @@ class CausalWanMixin:
         self.kv_cache_engines = dict(engines)
 
     def clear_caches(self) -> None:
-        """Empty every engine (self and cross entries, memoized masks): the cache state of a new model."""
+        """Empty every engine (self and cross entries) and the memoized masks: the cache state of a new model."""
         for engine in self.kv_cache_engines.values():
             engine.clear()
+        self.block_masks.clear()
 
     def kv_cache_bytes(self, cache_tag: str | None = None) -> int:
         """Bytes of self-attention K/V held by all engines (the cache formula's quantity)."""
@@ -322,11 +325,11 @@ class CausalWanMixin:
             start_frame=start_frame,
             num_frames=num_frames,
             frame_seqlen=frame_seqlen,
-            chunk_size=self.config.chunk_size,
             chunk_layout=layout,
             image_context_length=image_len,
             cross_modes=cross_modes,
             mask_backend=self._resolve_mask_backend(device),
+            block_masks=self.block_masks,
         )
 
     def _check_call(
