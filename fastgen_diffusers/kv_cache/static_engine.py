@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BaseKVCacheEngine, TagState, expected_self_cache_bytes
+from .accounting import expected_self_cache_bytes
+from .base import BaseKVCacheEngine
+from .tags import TagState
 
 
 @dataclass
@@ -124,10 +126,63 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         """Copy frames ``[first, last)`` of ``key``/``value`` (whose first frame is ``key_start``) into their slots."""
         first, last = frames
         for frame, slot, count in self._slot_runs(first, last):
+            self._keep_for_undo(entry, slot, slot + count, seqlen)
             src = slice((frame - key_start) * seqlen, (frame - key_start + count) * seqlen)
             dst = slice(slot * seqlen, (slot + count) * seqlen)
             entry.key[:, dst] = key[:, src]
             entry.value[:, dst] = value[:, src]
+
+    # ------------------------------------------------------------------ transactions
+    def begin_transaction(self, cache_tag: str) -> None:
+        """Also note which slots hold frames the tag holds now: an in-place write to them during the transaction
+        first keeps their contents (:meth:`_keep_for_undo`). Writes to free slots keep nothing."""
+        super().begin_transaction(cache_tag)
+        state = self._tags.get(cache_tag)
+        held_slots = []
+        if state is not None:
+            window = self.window
+            frames = [(0, state.num_frames)]
+            if window.bounded:
+                frames = [
+                    (0, min(window.sink, state.num_frames)),
+                    (max(window.sink, state.evicted_before), state.num_frames),
+                ]
+            for first, last in frames:
+                held_slots += [(slot, slot + count) for _, slot, count in self._slot_runs(first, last)]
+        self._transaction.extra.update(held_slots=held_slots, unsaved={})
+
+    def _snapshot_self_entry(self, entry: StaticSelfEntry | None):
+        return None if entry is None else (entry, entry.key, entry.value)
+
+    def _restore_self_entry(self, snapshot) -> StaticSelfEntry:
+        entry, entry.key, entry.value = snapshot  # buffers grown during the transaction are dropped
+        entry.written = None
+        return entry
+
+    def _keep_for_undo(self, entry: StaticSelfEntry, first_slot: int, last_slot: int, seqlen: int) -> None:
+        """Before slots ``[first_slot, last_slot)`` of ``entry`` are overwritten in an open transaction, keep a copy
+        of those that hold frames held when it began (each slot once) and record how to put it back."""
+        transaction = self._transaction
+        if transaction is None:
+            return
+        unsaved = transaction.extra["unsaved"].setdefault(id(entry), list(transaction.extra["held_slots"]))
+        remaining = []
+        for low, high in unsaved:
+            first, last = max(low, first_slot), min(high, last_slot)
+            if first >= last:
+                remaining.append((low, high))
+                continue
+            tokens = slice(first * seqlen, last * seqlen)
+            key, value = entry.key, entry.value
+            kept_key, kept_value = key[:, tokens].clone(), value[:, tokens].clone()
+
+            def undo(key=key, value=value, tokens=tokens, kept_key=kept_key, kept_value=kept_value) -> None:
+                key[:, tokens] = kept_key
+                value[:, tokens] = kept_value
+
+            transaction.undo.append(undo)
+            remaining += [r for r in ((low, first), (last, high)) if r[0] < r[1]]
+        transaction.extra["unsaved"][id(entry)] = remaining
 
     # ------------------------------------------------------------------ attention
     def self_attention_kv(self, block_idx, cache_tag, key, value, start_frame, first_chunk_frames=None):
@@ -179,6 +234,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
     def _rotate_self_entry(
         self, entry: StaticSelfEntry, state: TagState, rotate: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
+        self._keep_for_undo(entry, 0, entry.key.shape[1] // state.frame_seqlen, state.frame_seqlen)
         entry.key.copy_(rotate(entry.key))
 
     def _copy_self_entry(self, entry: StaticSelfEntry) -> StaticSelfEntry:

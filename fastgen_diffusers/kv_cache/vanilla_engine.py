@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import BaseKVCacheEngine, TagState
+from .base import BaseKVCacheEngine
+from .tags import TagState
 
 
 @dataclass
