@@ -6,6 +6,7 @@ cache is touched (``CausalWanMixin._check_call`` runs these first, then asks eve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,12 +43,13 @@ def check_transformer_inputs(
     start_frame: Any,
     cache_tag: Any,
     store_kv: Any,
-    compute_dtype: torch.dtype | None,
+    compute_dtype: Callable[[torch.device], torch.dtype | None],
     image_dim: int | None,
 ) -> None:
     """Raise ``ValueError`` for any input the forward cannot take. Reads the values of ``timestep`` only.
 
-    ``image_dim`` is the width the model's image embedder takes (``None``: the model has none).
+    ``compute_dtype(device)`` is the dtype the model computes in on ``device`` (``None`` under autocast, which casts
+    for itself); ``image_dim`` is the width the model's image embedder takes (``None``: the model has none).
     """
     hidden_states = _check_tensor("hidden_states", hidden_states, 5, "(B, C, F, H, W)")
     if hidden_states.shape[1] != config.in_channels:
@@ -57,8 +59,9 @@ def check_transformer_inputs(
         )
     if 0 in hidden_states.shape:
         raise ValueError(f"`hidden_states` is empty: shape {tuple(hidden_states.shape)}.")
-    _check_dtype("hidden_states", hidden_states, compute_dtype)
     batch_size, device = hidden_states.shape[0], hidden_states.device
+    dtype = compute_dtype(device)
+    _check_dtype("hidden_states", hidden_states, dtype)
 
     conditioning = [("encoder_hidden_states", encoder_hidden_states, config.text_dim, "text_dim")]
     if encoder_hidden_states_image is not None:
@@ -78,7 +81,7 @@ def check_transformer_inputs(
             )
         if value.device != device:
             raise ValueError(f"`{name}` is on {value.device}, `hidden_states` on {device}: put them on one device.")
-        _check_dtype(name, value, compute_dtype)
+        _check_dtype(name, value, dtype)
 
     if not isinstance(timestep, torch.Tensor):
         raise ValueError(f"`timestep` must be a tensor of shape (B,) or (B, F), got {type(timestep).__name__}.")

@@ -349,7 +349,6 @@ class CausalWanMixin:
         Every input is checked (:func:`check_transformer_inputs`) before any engine operation, so a bad call leaves
         every cache as it was.
         """
-        autocast = isinstance(hidden_states, torch.Tensor) and torch.is_autocast_enabled(hidden_states.device.type)
         image_embedder = self.condition_embedder.image_embedder
         check_transformer_inputs(
             self.config,
@@ -360,7 +359,9 @@ class CausalWanMixin:
             start_frame=start_frame,
             cache_tag=cache_tag,
             store_kv=store_kv,
-            compute_dtype=None if autocast else self._compute_dtype(hidden_states.device),
+            compute_dtype=lambda device: (
+                None if torch.is_autocast_enabled(device.type) else self._compute_dtype(device)
+            ),
             image_dim=None if image_embedder is None else self.config.image_dim,
         )
         _, _, num_frames, height, width = hidden_states.shape
