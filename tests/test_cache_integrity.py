@@ -4,6 +4,8 @@ that fails midway is rolled back exactly (evictions included), and cross K/V reu
 from __future__ import annotations
 
 import copy
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from conftest import make_causal_transformer
 from fastgen_diffusers import make_engines
 
 T = torch.full((1,), 500.0)
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cache_overhead.py"
 
 
 def frames(count: int, seed: int) -> torch.Tensor:
@@ -128,3 +131,12 @@ def test_cross_kv_reuse_is_decided_by_content(edit):
     assert torch.equal(got, reference(frames(2, 2), T, other, start_frame=2, return_dict=False)[0])
     stale = reference(frames(2, 2), T, text(7), start_frame=2, return_dict=False)[0]
     assert (got - stale).abs().max() > 1e-3
+
+
+def test_the_overhead_benchmark_runs(capsys):
+    spec = importlib.util.spec_from_file_location("bench_cache_overhead", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--reps", "1"])
+    printed = capsys.readouterr().out
+    assert "content key" in printed and "(ratio 0.333)" in printed  # a chunk of 3 frames of a 9-frame window
