@@ -27,7 +27,7 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import get_module_execution_device
 
 from ..chunking import ChunkPlan, chunk_bounds, chunk_layout
-from ..kv_cache import ENGINE_KINDS, make_engines
+from ..kv_cache import ENGINE_KINDS, AttentionWindow, make_engines
 from ..parallel import is_main_process
 from .conditioning import Conditioner
 from .options import RolloutOptions
@@ -54,21 +54,10 @@ def check_window_fits_chunks(
 ) -> None:
     """Raise ``ValueError`` when a chunk cannot fit in the attention window (checked before any work).
 
-    The pipelines' one copy of the window rule, the engines' own: a chunk's frames outside the sink must fit the
-    ``attention_window - sink_frames`` recent frames (a chunk inside the sink, e.g. ``[0, 3)`` with sink 3 and
-    window 4, fits).
+    The rule is [`AttentionWindow.check_chunks`], the one the engines apply: a chunk's frames outside the sink must
+    fit the window beside the sink (a chunk inside the sink, e.g. ``[0, 3)`` with sink 3 and window 4, fits).
     """
-    if attention_window is None:
-        return
-    room = attention_window - sink_frames
-    for start, end in chunk_bounds:
-        own = end - max(start, sink_frames)
-        if own > room:
-            raise ValueError(
-                f"`attention_window={attention_window}` with `sink_frames={sink_frames}` leaves room for {room} "
-                f"frames besides the sink, but the chunk of latent frames [{start}, {end}) has {own} frames outside "
-                f"the sink; use a window of at least {own + sink_frames} frames."
-            )
+    AttentionWindow(attention_window, sink_frames).check_chunks(chunk_bounds)
 
 
 @dataclass(frozen=True)
