@@ -164,7 +164,8 @@ class LiveRolloutMixin(CausalRolloutMixin):
                 Text tokens of the new prompt's encoding.
 
         Returns:
-            The frames of the whole video of the branch so far (all chunks, decoded at once), as `__call__` returns.
+            The frames of the whole video of the branch so far (all chunks, decoded at once, reference frames left
+            out), as `__call__` returns.
         """
         kept = self.kept_rollout(branch)
         temporal = self.vae_scale_factor_temporal
@@ -284,7 +285,7 @@ class LiveRolloutMixin(CausalRolloutMixin):
             resume=True,
         ):
             pass
-        return self.finish_output(self.kept_rollout(branch).latents, output_type, return_dict)
+        return self.finish_output(self.kept_rollout(branch).video_latents, output_type, return_dict)
 
 
 def stream_to_video(

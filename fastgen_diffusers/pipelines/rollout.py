@@ -256,6 +256,7 @@ class CausalRolloutMixin:
             schedule=schedule,
             attention_kwargs=options.attention_kwargs,
             keep_history=options.keep_cache or (options.recache and bool(switches)),
+            num_reference_frames=refs,
         )
         return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs)
 
@@ -271,6 +272,7 @@ class CausalRolloutMixin:
         attention_kwargs: dict[str, Any] | None = None,
         branch: str = MAIN_BRANCH,
         keep_history: bool = True,
+        num_reference_frames: int = 0,
     ) -> RolloutSession:
         """A new [`RolloutSession`] on this pipeline's transformer."""
         return RolloutSession(
@@ -285,6 +287,7 @@ class CausalRolloutMixin:
             num_train_timesteps=self.scheduler.config.num_train_timesteps,
             branch=branch,
             keep_history=keep_history,
+            num_reference_frames=num_reference_frames,
         )
 
     def generate(self, options: RolloutOptions) -> WanPipelineOutput | tuple:

@@ -49,6 +49,7 @@ class RolloutSession:
         branch: the rollout branch (``"main"``: tags ``"pos"`` / ``"neg"``).
         keep_history: keep every finished chunk's latents and cache input (a kept rollout, or a recache); without it
             the session holds no chunk tensors, so a long stream's memory stays flat.
+        num_reference_frames: leading latent frames that are not video frames (VACE's reference images).
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class RolloutSession:
         num_train_timesteps: int,
         branch: str = MAIN_BRANCH,
         keep_history: bool = True,
+        num_reference_frames: int = 0,
     ) -> None:
         self.transformer = transformer
         self.conditioner = conditioner
@@ -77,6 +79,7 @@ class RolloutSession:
         self.num_train_timesteps = num_train_timesteps
         self.branch = branch
         self.keep_history = keep_history
+        self.num_reference_frames = num_reference_frames
         tags = branch_cache_tags(branch)
         self.cache_tags: tuple[str, ...] = tags if guidance_scale > 1.0 else tags[:1]
         self.chunks: list[ChunkRecord] = []
@@ -88,6 +91,11 @@ class RolloutSession:
     def latents(self) -> torch.Tensor:
         """``(B, C, F, H, W)`` clean latents of the whole rollout so far (a session that keeps its history)."""
         return torch.cat([chunk.latents for chunk in self.chunks], dim=2)
+
+    @property
+    def video_latents(self) -> torch.Tensor:
+        """[`latents`] without the leading reference frames: the frames of the video."""
+        return self.latents[:, :, self.num_reference_frames :]
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The chunk tensors the session holds (its history), to account for memory."""
