@@ -44,6 +44,7 @@ from transformers import AutoTokenizer, CLIPVisionModel, UMT5EncoderModel
 from transformers.image_processing_utils import BaseImageProcessor
 
 from ..models import WanCausalTransformer3DModel
+from .clips import clip_frames, clip_layout
 from .conditioning import Conditioner, FirstFrameConditioner, GivenFramesConditioner, ImageConcatConditioner
 from .options import ImageToVideoOptions
 from .pipeline_wan_causal import WanCausalPipeline
@@ -306,7 +307,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 raise ValueError(f"`image_embeds` has batch {image_embeds.shape[0]}; accepted: 1 or {batch_size}.")
 
         if video is not None:
-            name, images = "video", self._video_frames(video)
+            name, images = "video", clip_frames(video, "video")
         else:
             name, images = "image", image if isinstance(image, list) else [image]
         if not images:
@@ -355,26 +356,13 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
 
         return height, width
 
-    @staticmethod
-    def _video_frames(video: Any) -> list:
-        """The frames of a clip: a list of PIL images, a ``(F, 3, H, W)`` tensor or an ``(F, H, W, 3)`` array."""
-        if isinstance(video, list) and video and all(isinstance(f, PIL.Image.Image) for f in video):
-            return video
-        if isinstance(video, (torch.Tensor, np.ndarray)) and video.ndim == 4:
-            return list(video)
-        what = f"shape {tuple(video.shape)}" if hasattr(video, "shape") else type(video).__name__
-        raise ValueError(
-            "`video` must be a list of PIL images, a (F, 3, H, W) tensor in [0, 1] or an (F, H, W, 3) array, "
-            f"got {what}."
-        )
-
     def check_context_frames(self, video: Any, num_frames: int, chunk_size: int | None) -> None:
         """T2V students: the image (1 frame) or the clip must fill whole chunks of the rollout and leave some to
         generate; raise ``ValueError`` otherwise. Other layouts take no given chunks."""
         if self.i2v_layout != T2V_STUDENT:
             return
         name = "image" if video is None else "video"
-        num_pixel_frames = 1 if video is None else len(self._video_frames(video))
+        num_pixel_frames = 1 if video is None else clip_layout(video, "video")[0]
         temporal = self.vae_scale_factor_temporal
         if num_pixel_frames % temporal != 1:
             raise ValueError(

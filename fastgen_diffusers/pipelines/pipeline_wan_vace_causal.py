@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import PIL.Image
 import torch
 from diffusers import AutoencoderKLWan, DiffusionPipeline, FlowMatchEulerDiscreteScheduler, WanVACETransformer3DModel
@@ -15,6 +14,7 @@ from diffusers.pipelines.wan.pipeline_wan_vace import WanVACEPipeline
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from ..models import VACEHintCache, WanCausalVACETransformer3DModel
+from .clips import clip_layout, first_frames
 from .conditioning import VACEConditioner
 from .options import VACEOptions
 from .pipeline_wan_causal import WanCausalPipeline, _model_config, _share_weights
@@ -29,57 +29,6 @@ def causal_transformer_from_wan_vace(
     """A [`WanCausalVACETransformer3DModel`] sharing the parameters of a plain ``WanVACETransformer3DModel``."""
     config = {**_model_config(transformer), **causal_config}
     return _share_weights(transformer, WanCausalVACETransformer3DModel, config)
-
-
-def _video_layout(video: Any, name: str) -> tuple[int, int, int, int]:
-    """``(frames, channels, height, width)`` of PIL frames, an ``(F, C, H, W)`` tensor or an ``(F, H, W, C)`` array
-    (a leading batch of 1 allowed); ``ValueError`` for anything else."""
-    if isinstance(video, list) and video and all(isinstance(frame, PIL.Image.Image) for frame in video):
-        sizes = {frame.size for frame in video}
-        if len(sizes) != 1:
-            raise ValueError(f"`{name}` frames must all have one size, got sizes {sorted(sizes)}.")
-        width, height = sizes.pop()
-        return len(video), len(video[0].getbands()), height, width
-    if isinstance(video, (torch.Tensor, np.ndarray)):
-        shape = tuple(video.shape)
-        if len(shape) == 5 and shape[0] == 1:
-            shape = shape[1:]
-        if len(shape) == 4:
-            if isinstance(video, torch.Tensor):
-                return shape
-            return shape[0], shape[3], shape[1], shape[2]
-    shape = tuple(video.shape) if hasattr(video, "shape") else type(video).__name__
-    raise ValueError(
-        f"`{name}` must be a list of PIL images, a (frames, channels, height, width) tensor or a (frames, height, "
-        f"width, channels) array, got {shape}."
-    )
-
-
-def _first_frames(video: Any, num_frames: int, fill: float = 0.0) -> Any:
-    """The first ``num_frames`` frames; tensors and arrays as a batch of one ``(1, F, ...)`` (``preprocess_video``).
-
-    A clip shorter than ``num_frames`` (a continued rollout) is padded with frames of ``fill`` (0: black, 1: white,
-    in [0, 1] units; PIL frames in their mode).
-    """
-    if video is None:
-        return None
-    if isinstance(video, list):
-        missing = num_frames - len(video)
-        if missing > 0:
-            pad = PIL.Image.new(video[0].mode, video[0].size, tuple([int(fill * 255)] * len(video[0].getbands())))
-            video = video + [pad] * missing
-        return video[:num_frames]
-    video = video if video.ndim == 5 else video[None]
-    missing = num_frames - video.shape[1]
-    if missing > 0:
-        shape = (video.shape[0], missing, *video.shape[2:])
-        if isinstance(video, torch.Tensor):
-            pad = torch.full(shape, fill, dtype=video.dtype, device=video.device)
-            video = torch.cat([video, pad], dim=1)
-        else:
-            scale = 255 if video.dtype == np.uint8 else 1
-            video = np.concatenate([video, np.full(shape, fill * scale, dtype=video.dtype)], axis=1)
-    return video[:, :num_frames]
 
 
 class WanCausalVACEPipeline(WanCausalPipeline):
@@ -154,7 +103,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         for name, frames in (("video", video), ("mask", mask)):
             if frames is None:
                 continue
-            count, channels, frame_height, frame_width = _video_layout(frames, name)
+            count, channels, frame_height, frame_width = clip_layout(frames, name)
             if (frame_height, frame_width) != (height, width):
                 raise ValueError(
                     f"`{name}` frames must be {height}x{width} (height x width, the output size), got "
@@ -224,7 +173,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         """``(1, 96, num_refs + latent frames, H/8, W/8)`` control latents, built as [`WanVACEPipeline`] does. A
         ``video`` / ``mask`` shorter than ``num_frames`` (a continued rollout) is padded with black frames under a
         white mask (generate freely)."""
-        video, mask = _first_frames(video, num_frames), _first_frames(mask, num_frames, fill=1.0)
+        video, mask = first_frames(video, num_frames), first_frames(mask, num_frames, fill=1.0)
         video, mask, references = self.preprocess_conditions(
             video, mask, reference_images, 1, height, width, num_frames, torch.float32, device
         )
