@@ -128,6 +128,17 @@ def test_first_chunk_timesteps_run_on_the_first_chunk_only():
     calls.clear()
     pipe(**T2V, first_chunk_timesteps=[1000.0])
     assert [len(steps) for steps in _per_chunk(calls).values()] == [1, 2, 2]
+
+    calls.clear()  # a kept rollout: its continuation runs `timesteps`, a redo of chunk 0 its own timesteps again
+    kept = pipe(**{**T2V, "num_frames": 9}, keep_cache=True, generator=_seed(1)).frames
+    pipe.continue_rollout(12, generator=_seed(2), output_type="latent")
+    pipe.redo_last_chunk(generator=_seed(2), output_type="latent")
+    pipe.discard_rollout()
+    pipe(**{**T2V, "num_frames": 9}, keep_cache=True, generator=_seed(1))
+    redone = pipe.redo_last_chunk(generator=_seed(1), output_type="latent").frames
+    assert torch.equal(redone, kept)  # chunk 0 regenerated on its own schedule with the same seed
+    assert _per_chunk(calls) == {0: first * 3, 3: [1000.0, 500.0] * 2}
+    pipe.discard_rollout()
     handle.remove()
     with pytest.raises(ValueError, match="first_chunk_timesteps"):
         pipe(**T2V, first_chunk_timesteps=[500.0, 900.0])
