@@ -129,7 +129,9 @@ class CausalRolloutMixin:
     default_policy: RolloutPolicy = SequentialPolicy()
 
     def _init_rollout_state(self) -> None:
-        """The pipeline's only rollout state: its kept sessions by branch name (called by ``__init__``)."""
+        """The rollout state a pipeline holds (set up by ``__init__``): its kept sessions by branch name, and the
+        values behind diffusers' callback properties (``guidance_scale``, ``interrupt``, ...). A call's own state
+        lives in its [`RolloutRun`] and session."""
         self._sessions: dict[str, RolloutSession] = {}
         self._guidance_scale = 1.0
         self._attention_kwargs = None
