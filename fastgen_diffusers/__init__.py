@@ -41,7 +41,30 @@ _EXPORTS = {
 # (`getattr(library, "ModelMixin", None)`) on it to tell how to load them.
 _LOADER_NAMES = {"ModelMixin": "diffusers.models.modeling_utils"}
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BaseKVCacheEngine",
+    "CausalContext",
+    "CausalRolloutMixin",
+    "ChunkOutput",
+    "KVCacheEngine",
+    "StaticKVCacheEngine",
+    "VACEHintCache",
+    "VanillaKVCacheEngine",
+    "WanCausalAttnProcessor",
+    "WanCausalCrossAttnProcessor",
+    "WanCausalImageToVideoPipeline",
+    "WanCausalPipeline",
+    "WanCausalVACEPipeline",
+    "WanCausalTransformer3DModel",
+    "WanCausalVACETransformer3DModel",
+    "causal_scheduler_from_config",
+    "causal_transformer_from_wan",
+    "causal_transformer_from_wan_vace",
+    "chunk_layout",
+    "expected_self_cache_bytes",
+    "make_engines",
+    "wan_transformer_from_causal",
+]  # the names of _EXPORTS (tests/test_cli_errors.py checks)
 
 
 def __getattr__(name: str) -> Any:
@@ -62,7 +85,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
-    from diffusers.models.modeling_utils import ModelMixin
+    from diffusers.models.modeling_utils import ModelMixin  # noqa: F401
 
     from .chunking import chunk_layout
     from .context import CausalContext

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from . import __version__
-from .cli_checks import TINY_DEFAULTS, UsageError, check_generate_arguments, read_media
+from .cli_checks import UsageError, check_generate_arguments, read_media
 from .cli_i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
 from .convert import add_convert_subparser
 
@@ -39,8 +39,10 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--prompt", required=True, help="text prompt")
     parser.add_argument(
-        "--output", type=Path, default=Path("output.mp4"), help="video to write: .mp4, .mkv, .mov, .avi or .gif "
-        "(default: output.mp4)"
+        "--output",
+        type=Path,
+        default=Path("output.mp4"),
+        help="video to write: .mp4, .mkv, .mov, .avi or .gif (default: output.mp4)",
     )
     parser.add_argument("--model", help="diffusers Wan directory or Hub id (default: the tiny random model)")
     parser.add_argument("--num-frames", type=int, help="pixel frames, 4k+1 (default: 81; 21 for the tiny model)")
@@ -106,7 +108,7 @@ def _load_pipeline(args: argparse.Namespace, dtype):
 
 
 def _load_or_explain(args: argparse.Namespace, dtype):
-    """:func:`_load_pipeline`; a Hub id that cannot be fetched (no network and not cached, say) says how to fetch it."""
+    """:func:`_load_pipeline`; a Hub id that cannot be fetched (not cached, no network, say) says how to fetch it."""
     from .cli_checks import hub_missing_message
 
     try:

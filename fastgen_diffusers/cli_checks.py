@@ -62,9 +62,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     """Frame count 4k+1, size a positive multiple of 16, positive steps and fps, a finite guidance >= 1, a seed torch
     takes, a positive window with a sink inside it (``0`` is refused, never read as "the default")."""
     if args.num_frames < 1 or (args.num_frames - 1) % TEMPORAL_FACTOR:
-        raise UsageError(
-            f"--num-frames must be 4k+1 (1, 5, 9, ..., 81: whole latent frames), got {args.num_frames}."
-        )
+        raise UsageError(f"--num-frames must be 4k+1 (1, 5, 9, ..., 81: whole latent frames), got {args.num_frames}.")
     for name in ("height", "width"):
         value = getattr(args, name)
         if value < SIZE_MULTIPLE or value % SIZE_MULTIPLE:
@@ -146,7 +144,8 @@ def check_model(model: str) -> None:
     if isinstance(try_to_load_from_cache(model, "model_index.json"), str):
         return  # in the Hugging Face cache
     if constants.HF_HUB_OFFLINE:
-        raise UsageError(hub_missing_message(model, "is not in the Hugging Face cache (offline: HF_HUB_OFFLINE is set)"))
+        why = "is not in the Hugging Face cache (offline: HF_HUB_OFFLINE is set)"
+        raise UsageError(hub_missing_message(model, why))
     from huggingface_hub import model_info
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
@@ -217,8 +216,9 @@ def read_media(name: str, path: Path, kind: str):
         media = loader(str(path))
     except Exception as error:  # noqa: BLE001  (PIL, imageio and ffmpeg raise many kinds for a bad file)
         reason = " ".join(str(error).split())[:200] or type(error).__name__
-        raise UsageError(f"{flag(name)} {path}: cannot be read as {'an image' if kind == 'image' else 'a video'} "
-                         f"({reason}).") from None
+        raise UsageError(
+            f"{flag(name)} {path}: cannot be read as {'an image' if kind == 'image' else 'a video'} ({reason})."
+        ) from None
     if kind == "video" and not media:
         raise UsageError(f"{flag(name)} {path}: the video has no frames.")
     return media

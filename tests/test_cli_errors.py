@@ -299,3 +299,21 @@ def test_cli_context_parallel_modes_match_the_library():
     from fastgen_diffusers.parallel import CONTEXT_PARALLEL_MODES
 
     assert cli.CONTEXT_PARALLEL_MODES == CONTEXT_PARALLEL_MODES
+
+
+def test_lazy_package_exports_every_public_name_without_importing_torch(tmp_path):
+    probe = (
+        "import sys, fastgen_diffusers as f\n"
+        "assert 'torch' not in sys.modules, 'import fastgen_diffusers imported torch'\n"
+        "assert sorted(f.__all__) == sorted(f._EXPORTS), 'keep __all__ and _EXPORTS in step'\n"
+        "missing = [name for name in f.__all__ if getattr(f, name, None) is None]\n"
+        "assert not missing, missing\n"
+        "from diffusers.models.modeling_utils import ModelMixin\n"
+        "assert f.ModelMixin is ModelMixin and getattr(f, 'SchedulerMixin', None) is None\n"
+        "assert f.pipelines.WanCausalPipeline is f.WanCausalPipeline\n"
+        "print('ok')\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=cli_env(tmp_path), cwd=tmp_path
+    )
+    assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr
