@@ -25,7 +25,7 @@ TEMPORAL_FACTOR = 4  # Wan VAEs: 4k+1 pixel frames encode to k+1 latent frames
 INPUT_FILES = ("image", "video", "control_video", "mask")
 
 
-class UsageError(Exception):
+class UsageError(ValueError):
     """A bad command line: ``cli.main`` prints it as one line (no traceback) and exits with status 2."""
 
 
@@ -212,6 +212,8 @@ def read_media(name: str, path: Path, kind: str):
     from diffusers.utils import load_image, load_video
 
     loader = load_image if kind == "image" else load_video
+    if not Path(path).is_file():
+        raise UsageError(f"{flag(name)} {path}: no such file.")
     try:
         media = loader(str(path))
     except Exception as error:  # noqa: BLE001  (PIL, imageio and ffmpeg raise many kinds for a bad file)
