@@ -1,33 +1,49 @@
-"""``fastgen-diffusers``: command line front end (``generate``; more subcommands register in :func:`build_parser`)."""
+"""``fastgen-diffusers``: command line front end (``generate``; more subcommands register in :func:`build_parser`).
+
+Importing this module, building the parser and ``--help`` import neither torch nor diffusers: the heavy stack loads
+inside the run path only. :func:`main` prints a user error as one line on stderr and exits non-zero (status 2 for a bad
+command line, found before any model loads; 1 for an error the pipeline reports); ``--debug`` shows the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
-import torch
-
+from . import __version__
+from .cli_checks import UsageError, check_generate_arguments, read_media
 from .cli_i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
 from .convert import add_convert_subparser
-from .parallel import CONTEXT_PARALLEL_MODES, setup_context_parallel
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Defaults for a real model (Wan2.1 480p) and for the built-in tiny random model (a seconds-long CPU smoke test).
-REAL_DEFAULTS = {"height": 480, "width": 832, "num_frames": 81}
-TINY_DEFAULTS = {"height": 64, "width": 64, "num_frames": 21}
+DTYPES = ("bfloat16", "float16", "float32")
+CONTEXT_PARALLEL_MODES = ("ulysses",)  # fastgen_diffusers.parallel.CONTEXT_PARALLEL_MODES (a test keeps them equal)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line: ``<prog>: error: <message> (see <prog> --help)``."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``generate``: text-to-video with a causal Wan student, written to an mp4."""
+    """Register ``generate``: text-to-video with a causal Wan student, written to a video file."""
     parser = subparsers.add_parser(
         "generate",
         help="generate a video from a prompt with a causal Wan model",
         description="Text-to-video with WanCausalPipeline. Without --model, runs the built-in tiny model with random "
-        "weights (offline, a few seconds on a CPU): a smoke test of the whole path, the video is noise.",
+        "weights (offline, a few seconds on a CPU): a smoke test of the whole path, the video is noise. Every "
+        "argument that needs no model is checked before the model loads.",
     )
     parser.add_argument("--prompt", required=True, help="text prompt")
-    parser.add_argument("--output", type=Path, default=Path("output.mp4"), help="mp4 to write (default: output.mp4)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("output.mp4"),
+        help="video to write: .mp4, .mkv, .mov, .avi or .gif (default: output.mp4)",
+    )
     parser.add_argument("--model", help="diffusers Wan directory or Hub id (default: the tiny random model)")
     parser.add_argument("--num-frames", type=int, help="pixel frames, 4k+1 (default: 81; 21 for the tiny model)")
     parser.add_argument("--height", type=int, help="multiple of 16 (default: 480; 64 for the tiny model)")
@@ -36,20 +52,22 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--guidance-scale", type=float, default=1.0, help="CFG weight; 1 disables CFG (default)")
     parser.add_argument("--negative-prompt", help="negative prompt, used when --guidance-scale > 1")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--fps", type=int, default=16, help="frames per second of the mp4 (default: 16)")
+    parser.add_argument("--fps", type=int, default=16, help="frames per second of the video (default: 16)")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument(
         "--dtype",
-        choices=sorted(DTYPES),
+        choices=DTYPES,
         help="model dtype of --model (default: bfloat16 on cuda, float32 otherwise; the tiny model runs in float32)",
     )
     long_videos = parser.add_argument_group("long videos")
     long_videos.add_argument(
         "--attention-window", type=int, help="sliding attention window in latent frames (memory stays flat)"
     )
-    long_videos.add_argument("--sink-frames", type=int, default=0, help="first latent frames kept inside the window")
+    long_videos.add_argument(
+        "--sink-frames", type=int, help="first latent frames kept inside --attention-window (default: 0)"
+    )
     parser.add_argument(
-        "--stream", action="store_true", help="write frames to the mp4 as chunks finish; print time to first frames"
+        "--stream", action="store_true", help="write frames to the video as chunks finish; print time to first frames"
     )
     parser.add_argument(
         "--context-parallel",
@@ -61,6 +79,7 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     vace.add_argument("--control-video", type=Path, help="control video (mp4/gif) at the output size")
     vace.add_argument("--mask", type=Path, help="mask video for --control-video (white = generate)")
     vace.add_argument("--reference-image", type=Path, action="append", help="reference image (repeatable)")
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     parser.set_defaults(func=run_generate)
 
 
@@ -68,13 +87,11 @@ def _wants_vace(args: argparse.Namespace) -> bool:
     return any(getattr(args, name) for name in ("control_video", "mask", "reference_image"))
 
 
-def _load_pipeline(args: argparse.Namespace, dtype: torch.dtype):
+def _load_pipeline(args: argparse.Namespace, dtype):
     """The pipeline the flags ask for (T2V, image-to-video or VACE), from ``--model`` or the tiny random model."""
     from . import testing
     from .pipelines import WanCausalPipeline, WanCausalVACEPipeline
 
-    if _wants_vace(args) and wants_i2v(args):
-        raise ValueError("--control-video/--mask/--reference-image (VACE) cannot be combined with --image/--video.")
     if args.model is None:
         print(
             "No --model given: using the built-in tiny model with RANDOM weights (a smoke test; the video is noise)."
@@ -90,59 +107,80 @@ def _load_pipeline(args: argparse.Namespace, dtype: torch.dtype):
     return WanCausalPipeline.from_pretrained(args.model, dtype=dtype)
 
 
-def _vace_kwargs(args: argparse.Namespace) -> dict:
-    """``video`` / ``mask`` / ``reference_images`` loaded from the VACE flags (a missing file names the flag)."""
-    from diffusers.utils import load_image, load_video
+def _load_or_explain(args: argparse.Namespace, dtype):
+    """:func:`_load_pipeline`; a Hub id that cannot be fetched (not cached, no network, say) says how to fetch it."""
+    from .cli_checks import hub_missing_message
 
+    try:
+        return _load_pipeline(args, dtype)
+    except OSError as error:
+        if args.model is None or Path(args.model).expanduser().is_dir():
+            raise
+        why = f"cannot be loaded from the Hub or the local cache ({one_line(error)[:300]})"
+        raise UsageError(hub_missing_message(args.model, why)) from error
+
+
+def _vace_kwargs(args: argparse.Namespace) -> dict:
+    """``video`` / ``mask`` / ``reference_images`` read from the VACE flags, before the model loads: a file that does
+    not decode, or a control video or mask shorter than ``--num-frames`` or not at the output size, names its flag."""
     kwargs = {}
-    for flag, name in (("control_video", "video"), ("mask", "mask")):
-        path = getattr(args, flag)
-        if path is not None:
-            if not path.is_file():
-                raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file.")
-            kwargs[name] = load_video(str(path))
+    for name, key in (("control_video", "video"), ("mask", "mask")):
+        path = getattr(args, name)
+        if path is None:
+            continue
+        frames = read_media(name, path, "video")
+        flag = "--" + name.replace("_", "-")
+        if len(frames) < args.num_frames:
+            raise UsageError(f"{flag} {path}: has {len(frames)} frames, fewer than --num-frames {args.num_frames}.")
+        if frames[0].size != (args.width, args.height):
+            width, height = frames[0].size
+            raise UsageError(
+                f"{flag} {path}: frames are {width}x{height}, the output is {args.width}x{args.height} (--width x "
+                "--height); resize the video or pass its size."
+            )
+        kwargs[key] = frames
     for path in args.reference_image or ():
-        if not path.is_file():
-            raise ValueError(f"--reference-image {path}: no such file.")
-        kwargs.setdefault("reference_images", []).append(load_image(str(path)))
+        kwargs.setdefault("reference_images", []).append(read_media("reference_image", path, "image"))
     return kwargs
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Load (or build) the pipeline, generate, write the mp4 and report where, how many frames and how long."""
+    """Check the arguments, read the input media, load (or build) the pipeline, generate, write the video and report
+    where, how many frames and how long."""
+    check_generate_arguments(args)  # before anything heavy loads
+    inputs = {**conditioning_kwargs(args), **_vace_kwargs(args)}
+
+    import torch
     from diffusers.utils import export_to_video
 
     from .pipelines.live import stream_to_video
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    pipe = _load_pipeline(args, dtype)
-    defaults = TINY_DEFAULTS if args.model is None else REAL_DEFAULTS
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    pipe = _load_or_explain(args, dtype)
     main_process = True
     if args.context_parallel:
+        from .parallel import setup_context_parallel
+
         setup = setup_context_parallel(pipe, args.context_parallel)  # moves the pipeline to cuda:LOCAL_RANK
         device, main_process = setup.device, setup.main
     else:
         pipe.to(device)
     if pipe.vae.dtype != torch.float32:  # the VAE decodes in float32, as diffusers' Wan examples load it
         pipe.vae.to(torch.float32)
-    height = args.height or defaults["height"]
-    width = args.width or defaults["width"]
-    num_frames = args.num_frames or defaults["num_frames"]
     call_kwargs = {
         "prompt": args.prompt,
         "negative_prompt": args.negative_prompt,
-        "height": height,
-        "width": width,
-        "num_frames": num_frames,
+        "height": args.height,
+        "width": args.width,
+        "num_frames": args.num_frames,
         "num_inference_steps": args.steps,
         "guidance_scale": args.guidance_scale,
         "generator": torch.Generator(device="cpu").manual_seed(args.seed),
-        **conditioning_kwargs(args),
-        **_vace_kwargs(args),
+        **inputs,
     }
     if args.attention_window is not None:
-        call_kwargs.update(attention_window=args.attention_window, sink_frames=args.sink_frames)
+        call_kwargs.update(attention_window=args.attention_window, sink_frames=args.sink_frames or 0)
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -160,27 +198,52 @@ def run_generate(args: argparse.Namespace) -> int:
         written = len(frames[0])
         export_to_video(list(frames[0]), str(args.output), fps=args.fps)
     print(
-        f"Wrote {args.output} ({written} frames, {width}x{height}, {args.fps} fps): generation took "
+        f"Wrote {args.output} ({written} frames, {args.width}x{args.height}, {args.fps} fps): generation took "
         f"{elapsed:.2f} s ({written / elapsed:.1f} frames/s) on {device}."
     )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``fastgen-diffusers`` parser: one ``add_<name>_subparser(subparsers)`` per subcommand."""
-    parser = argparse.ArgumentParser(
+    """The ``fastgen-diffusers`` parser: one ``add_<name>_subparser(subparsers)`` per subcommand. Building it must
+    stay light (no torch/diffusers import at module level of a subcommand's argparse module): ``--help`` is timed."""
+    parser = ArgumentParser(
         prog="fastgen-diffusers", description="Causal (chunk-by-chunk, KV-cached) Wan video generation for diffusers."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_subparser in (add_generate_subparser, add_convert_subparser):
         add_subparser(subparsers)
     return parser
 
 
+def one_line(error: BaseException) -> str:
+    """The message of ``error`` on one line (whitespace runs, newlines included, become one space)."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point: parse ``argv`` (default ``sys.argv[1:]``) and run the chosen subcommand."""
+    """Console entry point: parse ``argv`` (default ``sys.argv[1:]``) and run the chosen subcommand.
+
+    A user error (:class:`UsageError`, a pipeline's ``ValueError``, an ``OSError`` such as a full disk) is printed as
+    one line on stderr: exit status 2 for a bad command line, 1 otherwise. Any other exception is a bug and keeps its
+    traceback; ``--debug`` shows the traceback of user errors too.
+    """
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    prog = f"fastgen-diffusers {args.command}"
+    try:
+        return args.func(args)
+    except (UsageError, ValueError, OSError) as error:
+        if getattr(args, "debug", False):
+            raise
+        hint = " (--debug shows the traceback)" if not isinstance(error, UsageError) else ""
+        print(f"{prog}: error: {one_line(error)}{hint}", file=sys.stderr)
+        return 2 if isinstance(error, UsageError) else 1
+    except KeyboardInterrupt:
+        if getattr(args, "debug", False):
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

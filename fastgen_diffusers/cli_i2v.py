@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from .cli_checks import TEMPORAL_FACTOR, UsageError, read_media
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_image_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,19 +45,25 @@ def load_i2v_pipeline(args: argparse.Namespace, dtype: torch.dtype):
         from .testing import tiny_components
 
         return WanCausalImageToVideoPipeline(**tiny_components(independent_first_frame=True))
-    return WanCausalImageToVideoPipeline.from_pretrained(args.model, torch_dtype=dtype)
+    return WanCausalImageToVideoPipeline.from_pretrained(args.model, dtype=dtype)
 
 
 def conditioning_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``{"image": PIL image}`` or ``{"video": [PIL images]}`` loaded from ``--image`` / ``--video``; ``{}`` if
-    neither. A missing file is a ``ValueError`` naming the option."""
-    from diffusers.utils import load_image, load_video
-
-    for name, loader in (("image", load_image), ("video", load_video)):
-        path = getattr(args, name, None)
-        if path is None:
-            continue
-        if not Path(path).is_file():
-            raise ValueError(f"--{name} {path}: no such file.")
-        return {name: loader(str(path))}
-    return {}
+    """``{"image": PIL image}`` or ``{"video": [PIL images]}`` read from ``--image`` / ``--video``; ``{}`` if neither.
+    Runs before the model loads: an unreadable file, or a clip that is not 4k+1 frames or leaves nothing to generate
+    within ``--num-frames``, is a :class:`UsageError` naming the option."""
+    if getattr(args, "image", None) is not None:
+        return {"image": read_media("image", args.image, "image")}
+    if getattr(args, "video", None) is None:
+        return {}
+    clip = read_media("video", args.video, "video")
+    if len(clip) % TEMPORAL_FACTOR != 1:
+        raise UsageError(
+            f"--video {args.video}: has {len(clip)} frames; a clip to extend must have 4k+1 (1, 5, 9, ...) frames."
+        )
+    if len(clip) >= args.num_frames:
+        raise UsageError(
+            f"--video {args.video}: its {len(clip)} frames leave nothing to generate within --num-frames "
+            f"{args.num_frames}; ask for more frames."
+        )
+    return {"video": clip}

@@ -1,0 +1,226 @@
+"""Checks of ``fastgen-diffusers generate``'s arguments that need no model, run before anything loads.
+
+A multi-GB load must not precede "num_frames must be 4k+1": :func:`check_generate_arguments` refuses every bad number,
+missing file, unwritable output, unknown model path and absent device first, with a :class:`UsageError` naming the
+flag, which ``cli.main`` prints as one line. Nothing here imports the pipelines (the CLI tests block them while a bad
+command line runs); torch is imported only to probe ``--device``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+# Defaults for a real model (Wan2.1 480p) and for the built-in tiny random model (a seconds-long CPU smoke test).
+REAL_DEFAULTS = {"height": 480, "width": 832, "num_frames": 81}
+TINY_DEFAULTS = {"height": 64, "width": 64, "num_frames": 21}
+# Containers diffusers' `export_to_video` and the streamed writer (both `imageio.get_writer(path, fps=...)`) write as
+# a readable video; tests/test_cli_errors.py writes and reads back each. (imageio also "writes" .webm, but ffmpeg
+# refuses H.264 in WebM and the file stays empty.)
+VIDEO_EXTENSIONS = (".mp4", ".mkv", ".mov", ".avi", ".gif")
+SIZE_MULTIPLE = 16  # VAE spatial factor 8 x patch size 2 (Wan2.1)
+TEMPORAL_FACTOR = 4  # Wan VAEs: 4k+1 pixel frames encode to k+1 latent frames
+INPUT_FILES = ("image", "video", "control_video", "mask")
+
+
+class UsageError(ValueError):
+    """A bad command line: ``cli.main`` prints it as one line (no traceback) and exits with status 2."""
+
+
+def flag(name: str) -> str:
+    """``"num_frames"`` -> ``"--num-frames"``."""
+    return "--" + name.replace("_", "-")
+
+
+def check_generate_arguments(args: argparse.Namespace) -> None:
+    """Raise :class:`UsageError` for anything wrong on the ``generate`` command line that needs no model; fills in the
+    size defaults (``height``, ``width``, ``num_frames``: the tiny model's without ``--model``)."""
+    defaults = TINY_DEFAULTS if args.model is None else REAL_DEFAULTS
+    for name, default in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    check_numbers(args)
+    check_input_files(args)
+    check_output(args.output)
+    if args.model is not None:
+        check_model(args.model)
+    if args.context_parallel:
+        check_context_parallel_launch()
+    else:
+        check_device(args.device)
+
+
+def _at_least(args: argparse.Namespace, name: str, minimum: int) -> None:
+    value = getattr(args, name)
+    if value < minimum:
+        raise UsageError(f"{flag(name)} must be at least {minimum}, got {value}.")
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Frame count 4k+1, size a positive multiple of 16, positive steps and fps, a finite guidance >= 1, a seed torch
+    takes, a positive window with a sink inside it (``0`` is refused, never read as "the default")."""
+    if args.num_frames < 1 or (args.num_frames - 1) % TEMPORAL_FACTOR:
+        raise UsageError(f"--num-frames must be 4k+1 (1, 5, 9, ..., 81: whole latent frames), got {args.num_frames}.")
+    for name in ("height", "width"):
+        value = getattr(args, name)
+        if value < SIZE_MULTIPLE or value % SIZE_MULTIPLE:
+            raise UsageError(f"{flag(name)} must be a positive multiple of {SIZE_MULTIPLE}, got {value}.")
+    _at_least(args, "steps", 1)
+    _at_least(args, "fps", 1)
+    if not math.isfinite(args.guidance_scale) or args.guidance_scale < 1:
+        raise UsageError(
+            f"--guidance-scale must be a finite number >= 1 (1 disables classifier-free guidance), got "
+            f"{args.guidance_scale}."
+        )
+    if not 0 <= args.seed < 2**64:
+        raise UsageError(f"--seed must be in [0, 2**64), got {args.seed}.")
+    if args.attention_window is None:
+        if args.sink_frames is not None:
+            raise UsageError("--sink-frames needs --attention-window (the sink is kept inside the window).")
+        return
+    _at_least(args, "attention_window", 1)
+    sink = args.sink_frames or 0
+    if sink < 0 or sink >= args.attention_window:
+        raise UsageError(
+            f"--sink-frames must be in [0, --attention-window) = [0, {args.attention_window}), got {sink}."
+        )
+
+
+def _wants_vace(args: argparse.Namespace) -> bool:
+    return any(getattr(args, name) for name in ("control_video", "mask", "reference_image"))
+
+
+def check_input_files(args: argparse.Namespace) -> None:
+    """Every input flag names an existing file; VACE flags do not mix with ``--image``/``--video``."""
+    wants_i2v = args.image is not None or args.video is not None
+    if _wants_vace(args) and wants_i2v:
+        raise UsageError("--control-video/--mask/--reference-image (VACE) cannot be combined with --image/--video.")
+    if args.mask is not None and args.control_video is None:
+        raise UsageError("--mask needs --control-video (it marks which pixels of the control video to generate).")
+    paths = [(name, getattr(args, name)) for name in INPUT_FILES]
+    paths += [("reference_image", path) for path in args.reference_image or ()]
+    for name, path in paths:
+        if path is not None and not Path(path).is_file():
+            raise UsageError(f"{flag(name)} {path}: no such file.")
+
+
+def check_output(output: Path) -> None:
+    """``--output`` has a video extension imageio writes and is not a directory; its folder can be created."""
+    if output.suffix.lower() not in VIDEO_EXTENSIONS:
+        got = f"extension {output.suffix!r}" if output.suffix else "no extension"
+        raise UsageError(f"--output {output}: {got}; accepted video formats: {', '.join(VIDEO_EXTENSIONS)}.")
+    if output.is_dir():
+        raise UsageError(f"--output {output}: is a directory; name a video file, e.g. {output / 'video.mp4'}.")
+    for parent in output.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"--output {output}: {parent} is a file, not a folder.")
+            if not os.access(parent, os.W_OK):
+                raise UsageError(f"--output {output}: cannot write into {parent}.")
+            break
+
+
+def check_model(model: str) -> None:
+    """``--model`` is a diffusers pipeline directory, or a Hub id that is cached or can be downloaded (not offline)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "model_index.json").is_file():
+            raise UsageError(
+                f"--model {model}: not a diffusers pipeline directory (no model_index.json); `fastgen-diffusers "
+                "convert` writes one from a research checkpoint."
+            )
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        raise UsageError(f"--model {model}: no such directory (and not a Hub id).") from None
+    if path.exists():
+        raise UsageError(f"--model {model}: is a file; pass the pipeline directory or a Hub id.")
+    if isinstance(try_to_load_from_cache(model, "model_index.json"), str):
+        return  # in the Hugging Face cache
+    if constants.HF_HUB_OFFLINE:
+        why = "is not in the Hugging Face cache (offline: HF_HUB_OFFLINE is set)"
+        raise UsageError(hub_missing_message(model, why))
+    from huggingface_hub import model_info
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:  # one quick request (no retries), rather than the loader's retried downloads
+        model_info(model, timeout=10)
+    except RepositoryNotFoundError:  # also a gated or private repository without access
+        raise UsageError(
+            f"--model {model}: no such directory, and no Hub repository {model} you can access (a gated or private "
+            "one needs `hf auth login`)."
+        ) from None
+    except HfHubHTTPError:
+        return  # the Hub answered; let the loader report what it finds
+    except Exception as error:  # noqa: BLE001  (the HTTP client's connection and timeout errors)
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        raise UsageError(
+            hub_missing_message(model, f"is not in the Hugging Face cache and the Hub is unreachable ({reason})")
+        ) from None
+
+
+def hub_missing_message(model: str, why: str) -> str:
+    """One line: ``--model`` is no local directory, and ``why`` it cannot come from the Hub; how to fetch it."""
+    return (
+        f"--model {model}: no such directory, and the Hub id {why}; fetch it where there is network "
+        f"with `hf download {model}` (older huggingface_hub: `huggingface-cli download {model}`), or pass a local "
+        "pipeline directory."
+    )
+
+
+def check_device(device: str | None) -> None:
+    """``--device`` parses as a torch device and exists on this machine (a zero-size tensor can live on it)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device}: not a torch device (e.g. cpu, cuda, cuda:1, mps).") from None
+    if parsed.type == "meta":
+        raise UsageError("--device meta: holds no data; pass a real device (e.g. cpu, cuda).")
+    try:
+        torch.empty(0, device=parsed)
+    except (RuntimeError, AssertionError) as error:  # torch raises AssertionError "Torch not compiled with CUDA"
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise UsageError(f"--device {device}: not available on this machine ({reason}).") from None
+
+
+def check_context_parallel_launch() -> None:
+    """``--context-parallel`` runs under ``torchrun`` (one process per GPU) on a machine with CUDA."""
+    if "WORLD_SIZE" not in os.environ or "LOCAL_RANK" not in os.environ:
+        raise UsageError(
+            "--context-parallel runs one process per GPU: launch with `torchrun --nproc_per_node=N "
+            "-m fastgen_diffusers generate ...` (torchrun sets WORLD_SIZE and LOCAL_RANK)."
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("--context-parallel needs one CUDA GPU per process; CUDA is not available here.")
+
+
+def read_media(name: str, path: Path, kind: str):
+    """``--<name> path`` read with diffusers' loaders: ``kind`` ``"image"`` gives a PIL image, ``"video"`` a list of
+    PIL frames; a file they cannot decode is a :class:`UsageError` naming the flag."""
+    from diffusers.utils import load_image, load_video
+
+    loader = load_image if kind == "image" else load_video
+    if not Path(path).is_file():
+        raise UsageError(f"{flag(name)} {path}: no such file.")
+    try:
+        media = loader(str(path))
+    except Exception as error:  # noqa: BLE001  (PIL, imageio and ffmpeg raise many kinds for a bad file)
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        raise UsageError(
+            f"{flag(name)} {path}: cannot be read as {'an image' if kind == 'image' else 'a video'} ({reason})."
+        ) from None
+    if kind == "video" and not media:
+        raise UsageError(f"{flag(name)} {path}: the video has no frames.")
+    return media

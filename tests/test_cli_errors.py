@@ -1,0 +1,323 @@
+"""``fastgen-diffusers`` user errors: one line on stderr, a non-zero exit, no traceback, and no model loaded first.
+
+The console entry runs in subprocesses with ``PYTHONPATH`` set to this checkout (the installed console script may
+point at another one). "No model loaded" is enforced, not inferred: the subprocesses make importing
+``fastgen_diffusers.pipelines`` and ``fastgen_diffusers.testing`` (where every model comes from) raise ``ImportError``,
+a bug that would print a traceback and fail the case; a control case shows that a valid command line does reach them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import imageio
+import numpy as np
+import pytest
+
+from fastgen_diffusers import cli
+from fastgen_diffusers.cli_checks import VIDEO_EXTENSIONS
+
+pytestmark = pytest.mark.filterwarnings("ignore:The keyword `fps` is no longer supported:DeprecationWarning")
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_MODULES = ("fastgen_diffusers.pipelines", "fastgen_diffusers.testing")
+# Runs `python -m fastgen_diffusers ARGS` (runpy is what `-m` uses) with the model modules made unimportable.
+BLOCKED_CONSOLE = (
+    "import runpy, sys\n"
+    f"for name in {MODEL_MODULES!r}:\n"
+    "    sys.modules[name] = None\n"
+    "sys.argv[0] = 'fastgen-diffusers'\n"
+    "runpy.run_module('fastgen_diffusers', run_name='__main__', alter_sys=True)\n"
+)
+# Runs `cli.main(argv)` for every case of a JSON table in one process (one interpreter start for the whole table),
+# model modules blocked, and prints {case: [exit status, stderr, stdout]}.
+BLOCKED_TABLE = (
+    "import contextlib, io, json, sys, traceback\n"
+    f"for name in {MODEL_MODULES!r}:\n"
+    "    sys.modules[name] = None\n"
+    "from fastgen_diffusers.cli import main\n"
+    "results = {}\n"
+    "for case, argv in json.loads(sys.stdin.read()).items():\n"
+    "    err, out = io.StringIO(), io.StringIO()\n"
+    "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):\n"
+    "        try:\n"
+    "            status = main(argv)\n"
+    "        except SystemExit as exit:\n"
+    "            status = exit.code\n"
+    "        except BaseException:\n"
+    "            status, err = 'raised', io.StringIO(traceback.format_exc())\n"
+    "    results[case] = [status, err.getvalue(), out.getvalue()]\n"
+    "print(json.dumps(results))\n"
+)
+
+
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    """This checkout first on the path, one thread, an empty offline Hugging Face cache, no torchrun variables."""
+    env = {key: value for key, value in os.environ.items() if key not in ("WORLD_SIZE", "LOCAL_RANK", "RANK")}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        OMP_NUM_THREADS="1",
+        HF_HOME=str(tmp_path / "hf_home"),
+        HF_HUB_OFFLINE="1",
+    )
+    return env
+
+
+def run_console(args: list[str], tmp_path: Path, block_models: bool = True) -> subprocess.CompletedProcess:
+    command = ["-c", BLOCKED_CONSOLE] if block_models else ["-m", "fastgen_diffusers"]
+    return subprocess.run(
+        [sys.executable, *command, *args], capture_output=True, text=True, env=cli_env(tmp_path), cwd=tmp_path
+    )
+
+
+def write_video(path: Path, frames: int, size: tuple[int, int] = (32, 32)) -> Path:
+    with imageio.get_writer(path, fps=8) as writer:
+        for value in np.linspace(0, 255, frames).astype(np.uint8):
+            writer.append_data(np.full((size[1], size[0], 3), value, dtype=np.uint8))
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, str]:
+    """Files for the table: a readable image, a text file named .png, clips and control videos of given lengths."""
+    folder = tmp_path_factory.mktemp("inputs")
+    imageio.imwrite(folder / "frame.png", np.zeros((32, 32, 3), dtype=np.uint8))
+    (folder / "notes.png").write_text("not an image")
+    (folder / "empty_model").mkdir()
+    (folder / "a_file").write_text("x")
+    (folder / "folder.mp4").mkdir()
+    write_video(folder / "clip4.gif", 4)
+    write_video(folder / "clip9.gif", 9)
+    write_video(folder / "control5.gif", 5)
+    write_video(folder / "control9_48.gif", 9, size=(48, 32))
+    return {path.name: str(path) for path in folder.iterdir()}
+
+
+GEN = ["generate", "--prompt", "a fox", "--height", "32", "--width", "32"]
+# case -> (extra arguments after GEN, exit status, a fragment of the one-line message). `{name}` is a file of `inputs`.
+CASES = {
+    "frames not 4k+1": (["--num-frames", "8"], 2, "--num-frames must be 4k+1"),
+    "frames 0": (["--num-frames", "0"], 2, "--num-frames must be 4k+1"),
+    "frames negative": (["--num-frames", "-3"], 2, "--num-frames must be 4k+1"),
+    "frames not an int": (["--num-frames", "nine"], 2, "invalid int value: 'nine'"),
+    "height 0": (["--height", "0"], 2, "--height must be a positive multiple of 16, got 0"),
+    "width not a multiple of 16": (["--width", "50"], 2, "--width must be a positive multiple of 16, got 50"),
+    "steps 0": (["--steps", "0"], 2, "--steps must be at least 1, got 0"),
+    "fps 0": (["--fps", "0"], 2, "--fps must be at least 1, got 0"),
+    "guidance nan": (["--guidance-scale", "nan"], 2, "--guidance-scale must be a finite number >= 1"),
+    "guidance inf": (["--guidance-scale", "inf"], 2, "--guidance-scale must be a finite number >= 1"),
+    "guidance negative": (["--guidance-scale", "-2"], 2, "--guidance-scale must be a finite number >= 1"),
+    "guidance below 1": (["--guidance-scale", "0.5"], 2, "got 0.5"),
+    "seed negative": (["--seed", "-1"], 2, "--seed must be in [0, 2**64)"),
+    "seed too large": (["--seed", str(2**64)], 2, "--seed must be in [0, 2**64)"),
+    "sink without window": (["--sink-frames", "1"], 2, "--sink-frames needs --attention-window"),
+    "window 0": (["--attention-window", "0"], 2, "--attention-window must be at least 1, got 0"),
+    "sink fills window": (["--attention-window", "4", "--sink-frames", "4"], 2, "[0, 4), got 4"),
+    "sink negative": (["--attention-window", "4", "--sink-frames", "-1"], 2, "got -1"),
+    "missing prompt": ([], 2, "the following arguments are required: --prompt"),  # GEN without --prompt, below
+    "unknown dtype": (["--dtype", "float64"], 2, "argument --dtype: invalid choice: 'float64'"),
+    "missing image": (["--image", "nope.png"], 2, "--image nope.png: no such file"),
+    "image is a folder": (["--image", "{empty_model}"], 2, "no such file"),
+    "image does not decode": (["--image", "{notes.png}"], 2, "cannot be read as an image"),
+    "missing video": (["--video", "nope.mp4"], 2, "--video nope.mp4: no such file"),
+    "clip not 4k+1": (["--video", "{clip4.gif}"], 2, "has 4 frames; a clip to extend must have 4k+1"),
+    "clip leaves nothing": (["--video", "{clip9.gif}", "--num-frames", "9"], 2, "leave nothing to generate"),
+    "image and video": (["--image", "{frame.png}", "--video", "{clip9.gif}"], 2, "not allowed with argument"),
+    "missing control video": (["--control-video", "nope.mp4"], 2, "--control-video nope.mp4: no such file"),
+    "missing mask": (["--control-video", "{control5.gif}", "--mask", "nope.mp4"], 2, "--mask nope.mp4: no such"),
+    "mask without control": (["--mask", "{control5.gif}"], 2, "--mask needs --control-video"),
+    "missing reference": (["--reference-image", "nope.png"], 2, "--reference-image nope.png: no such file"),
+    "vace and image": (["--control-video", "{control5.gif}", "--image", "{frame.png}"], 2, "cannot be combined"),
+    "control too short": (["--control-video", "{control5.gif}", "--num-frames", "9"], 2, "has 5 frames, fewer"),
+    "control wrong size": (["--control-video", "{control9_48.gif}", "--num-frames", "9"], 2, "frames are 48x32"),
+    "output .txt": (["--output", "video.txt"], 2, "--output video.txt: extension '.txt'; accepted video formats"),
+    "output without extension": (["--output", "video"], 2, "--output video: no extension"),
+    "output .webm": (["--output", "video.webm"], 2, "extension '.webm'"),
+    "output is a folder": (["--output", "{folder.mp4}"], 2, "is a directory"),
+    "output under a file": (["--output", "{a_file}/video.mp4"], 2, "is a file, not a folder"),
+    "model dir missing": (["--model", "/no/such/model_dir"], 2, "--model /no/such/model_dir: no such directory"),
+    "model relative missing": (["--model", "./no_such_dir"], 2, "--model ./no_such_dir: no such directory"),
+    "model dir not a pipeline": (["--model", "{empty_model}"], 2, "not a diffusers pipeline directory"),
+    "model is a file": (["--model", "{a_file}"], 2, "no such directory"),
+    "hub id not cached offline": (["--model", "some-org/some-student"], 2, "hf download some-org/some-student"),
+    "device unknown": (["--device", "gpu"], 2, "--device gpu: not a torch device"),
+    "device absent": (["--device", "cuda:99"], 2, "--device cuda:99: not available on this machine"),
+    "device meta": (["--device", "meta"], 2, "--device meta: holds no data"),
+    "context parallel without torchrun": (["--context-parallel", "ulysses"], 2, "launch with `torchrun"),
+    "context parallel mode": (["--context-parallel", "ring"], 2, "invalid choice: 'ring'"),
+}
+
+
+def argv_of(case: str, inputs: dict[str, str]) -> list[str]:
+    extra = list(CASES[case][0])
+    for name, path in inputs.items():
+        extra = [arg.replace(f"{{{name}}}", path) for arg in extra]
+    return ["generate", *extra] if case == "missing prompt" else [*GEN, *extra]
+
+
+@pytest.fixture(scope="module")
+def table_results(inputs, tmp_path_factory) -> dict[str, list]:
+    tmp_path = tmp_path_factory.mktemp("table")
+    table = {case: argv_of(case, inputs) for case in CASES}
+    table["control: a valid command line reaches the model"] = [*GEN, "--num-frames", "5"]
+    start = time.perf_counter()
+    completed = subprocess.run(
+        [sys.executable, "-c", BLOCKED_TABLE],
+        input=json.dumps(table),
+        capture_output=True,
+        text=True,
+        env=cli_env(tmp_path),
+        cwd=tmp_path,
+    )
+    assert completed.returncode == 0, completed.stderr
+    print(f"{len(table)} command lines checked in {time.perf_counter() - start:.1f} s (one interpreter)")
+    return json.loads(completed.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_command_line_is_one_line_before_any_model_loads(case, table_results):
+    status, stderr, _ = table_results[case]
+    _, expected_status, fragment = CASES[case]
+    assert status == expected_status, stderr
+    assert "Traceback" not in stderr and "No module named" not in stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("fastgen-diffusers generate: error: ") and fragment in lines[0], lines[0]
+
+
+def test_the_model_modules_are_really_blocked(table_results):
+    """The control case: a valid command line gets past every check and fails on the blocked import."""
+    status, stderr, _ = table_results["control: a valid command line reaches the model"]
+    assert status == "raised" and "Traceback" in stderr
+    assert any(f"No module named '{module}" in stderr for module in MODEL_MODULES), stderr
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--num-frames", "8"], "--num-frames must be 4k+1"),
+        (["--output", "video.txt"], "extension '.txt'"),
+        (["--model", "some-org/some-student"], "hf download some-org/some-student"),
+    ],
+)
+def test_console_entry_prints_one_line_and_exits_non_zero(args, fragment, tmp_path):
+    completed = run_console([*GEN, *args], tmp_path)
+    assert completed.returncode == 2
+    assert "Traceback" not in completed.stderr
+    assert completed.stderr.count("\n") == 1 and fragment in completed.stderr
+    assert completed.stdout == ""
+
+
+def test_version_from_both_module_entries(tmp_path):
+    """``python -m fastgen_diffusers.cli`` and ``python -m fastgen_diffusers`` are the console entry."""
+    from fastgen_diffusers import __version__
+
+    completed = subprocess.run(
+        [sys.executable, "-m", "fastgen_diffusers.cli", "--version"],
+        capture_output=True, text=True, env=cli_env(tmp_path), cwd=tmp_path,
+    )  # fmt: skip
+    assert completed.returncode == 0 and completed.stdout.strip() == f"fastgen-diffusers {__version__}"
+    completed = run_console(["--version"], tmp_path)
+    assert completed.returncode == 0 and completed.stdout.strip() == f"fastgen-diffusers {__version__}"
+
+
+HELP_LIMIT_S = 1.0
+HELP_SLACK = 3.0  # a loaded CI box; the figure measured is printed
+
+
+# Until the converter is split into a package whose argparse module imports nothing heavy (#12, the convert helper),
+# `build_parser` imports the single-module converter and with it torch; the test holds again the moment it is split.
+CONVERT_NOT_SPLIT = importlib.util.find_spec("fastgen_diffusers.convert").submodule_search_locations is None
+
+
+@pytest.mark.xfail(CONVERT_NOT_SPLIT, reason="fastgen_diffusers/convert.py (one module) imports torch", strict=True)
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"]])
+def test_help_is_fast_and_imports_no_heavy_module(args, tmp_path):
+    """``--help`` answers in under a second: the heavy stack (torch, diffusers, transformers) is never imported."""
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv[0] = 'fastgen-diffusers'\n"
+        "try:\n"
+        "    runpy.run_module('fastgen_diffusers', run_name='__main__', alter_sys=True)\n"
+        "finally:\n"
+        "    print('HEAVY', sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", probe, *args], capture_output=True, text=True, env=cli_env(tmp_path), cwd=tmp_path
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "usage: fastgen-diffusers" in completed.stdout and "HEAVY []" in completed.stdout
+    timings = []
+    for _ in range(3):
+        start = time.perf_counter()
+        completed = run_console(args, tmp_path, block_models=False)
+        timings.append(time.perf_counter() - start)
+        assert completed.returncode == 0
+    best = min(timings)
+    print(f"`fastgen-diffusers {' '.join(args)}`: {best:.2f} s (best of 3: {', '.join(f'{t:.2f}' for t in timings)})")
+    assert best < HELP_LIMIT_S * HELP_SLACK
+
+
+def test_pipeline_errors_are_one_line_with_status_1_and_debug_shows_the_traceback(tmp_path, capsys):
+    """An error the pipeline finds after loading (here: a clip that does not fill whole chunks of the tiny I2V
+    student's [1, 3, 3, ...] layout) is one line too; ``--debug`` re-raises it."""
+    clip = write_video(tmp_path / "clip9.gif", 9)
+    args = [*GEN, "--video", str(clip), "--num-frames", "13", "--steps", "1", "--output", str(tmp_path / "o.mp4")]
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "`video` encodes to 3 latent frames" in err and "--debug" in err
+    with pytest.raises(ValueError, match="do not fill whole chunks"):
+        cli.main([*args, "--debug"])
+
+
+def test_real_bugs_keep_their_traceback(monkeypatch):
+    def broken(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "run_generate", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main([*GEN])
+
+
+@pytest.mark.parametrize("extension", VIDEO_EXTENSIONS)
+def test_every_accepted_extension_writes_a_readable_video(extension, tmp_path):
+    """The formats ``--output`` accepts are written by both writers the CLI uses and read back frame for frame."""
+    from diffusers.utils import export_to_video
+
+    frames = [np.full((32, 32, 3), value, dtype=np.float32) for value in (0.0, 0.5, 1.0, 0.25, 0.75)]
+    export_to_video(frames, str(tmp_path / f"export{extension}"), fps=8)
+    with imageio.get_writer(tmp_path / f"stream{extension}", fps=8) as writer:
+        for frame in frames:
+            writer.append_data((frame * 255).astype(np.uint8))
+    for name in ("export", "stream"):
+        read = imageio.mimread(tmp_path / f"{name}{extension}")
+        assert len(read) == len(frames) and read[0].shape[:2] == (32, 32)
+
+
+def test_cli_context_parallel_modes_match_the_library():
+    from fastgen_diffusers.parallel import CONTEXT_PARALLEL_MODES
+
+    assert cli.CONTEXT_PARALLEL_MODES == CONTEXT_PARALLEL_MODES
+
+
+def test_lazy_package_exports_every_public_name_without_importing_torch(tmp_path):
+    probe = (
+        "import sys, fastgen_diffusers as f\n"
+        "assert 'torch' not in sys.modules, 'import fastgen_diffusers imported torch'\n"
+        "assert sorted(f.__all__) == sorted(f._EXPORTS), 'keep __all__ and _EXPORTS in step'\n"
+        "missing = [name for name in f.__all__ if getattr(f, name, None) is None]\n"
+        "assert not missing, missing\n"
+        "from diffusers.models.modeling_utils import ModelMixin\n"
+        "assert f.ModelMixin is ModelMixin and getattr(f, 'SchedulerMixin', None) is None\n"
+        "assert f.pipelines.WanCausalPipeline is f.WanCausalPipeline\n"
+        "print('ok')\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=cli_env(tmp_path), cwd=tmp_path
+    )
+    assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr
