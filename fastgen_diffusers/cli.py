@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .cli_convert import add_convert_subparser
 from .cli_i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
-from .convert import add_convert_subparser
 from .parallel import CONTEXT_PARALLEL_MODES, setup_context_parallel
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
