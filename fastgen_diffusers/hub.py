@@ -62,8 +62,8 @@ def _is_ours(entry: Any) -> bool:
 
 def to_hub_model_index(index: dict[str, Any]) -> dict[str, Any]:
     """``index`` (a ``model_index.json`` dict) in hub form: the pipeline named through its loader file, our components
-    under the library ``fastgen_diffusers``."""
-    hub = dict(index)
+    under the library ``fastgen_diffusers``, without the ``_name_or_path`` of the directory it was loaded from."""
+    hub = {key: value for key, value in index.items() if key != "_name_or_path"}  # a local path must not travel
     class_name = hub["_class_name"]
     if isinstance(class_name, (list, tuple)):
         class_name = class_name[1]

@@ -207,7 +207,7 @@ def convert_checkpoint(
     sources = {name: _source_shape_dtype(weights, source) for name, source in key_map.items()}
     check_state_dict({name: shape for name, (shape, _) in sources.items()}, expected)
     not_float = sorted(
-        f"{name}: {source_dtype}"
+        f"{key_map[name]}: {source_dtype}"
         for name, (_, source_dtype) in sources.items()
         if not (isinstance(source_dtype, torch.dtype) and source_dtype.is_floating_point)
     )
