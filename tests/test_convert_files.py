@@ -174,3 +174,18 @@ def test_local_base_needs_a_hub_id_for_the_card(wan_base, tmp_path):  # noqa: F8
     torch.save({"generator": _weights()}, checkpoint)
     with pytest.raises(ValueError, match="--base-model-id"):
         convert_checkpoint(checkpoint, base=wan_base, output=tmp_path / "out")
+
+
+def test_convert_benchmark_runs_on_a_small_forty_layer_checkpoint(tmp_path, capsys):
+    import importlib.util
+    import json
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_convert.py"
+    spec = importlib.util.spec_from_file_location("bench_convert", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    checkpoint, base, nbytes = module.build(tmp_path, layers=40, dim=16, source="safetensors")
+    module.main(["--child", "--checkpoint", str(checkpoint), "--base", str(base), "--output", str(tmp_path / "o")]
+                + ["--max-shard-size", str(nbytes // 3)])  # fmt: skip
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert figures["shards"] >= 3 and figures["peak_mb"] >= figures["baseline_mb"]
