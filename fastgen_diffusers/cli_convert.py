@@ -1,7 +1,7 @@
 """``fastgen-diffusers convert``: argparse front end of :mod:`fastgen_diffusers.convert`.
 
 User errors (a missing, empty, truncated or foreign file, a wrong format, unsafe pickles, weights that do not fit the
-base) print one ``error:`` message on stderr and exit with status 2, without a traceback. Nothing heavy is imported
+base) print one ``error:`` message on stderr and exit with status 1, without a traceback. Nothing heavy is imported
 until the command runs.
 """
 

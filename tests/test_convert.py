@@ -394,3 +394,16 @@ def test_cli_convert(wan_base, tmp_path, capsys):
     args = parser.parse_args([*argv[:-1], str(tmp_path / "o2"), "--ema"])
     with pytest.raises(SystemExit, match="An EMA copy was requested but the checkpoint has none"):
         args.func(args)
+
+
+def test_names_of_the_single_module_converter_still_import():
+    import fastgen_diffusers.convert as convert
+
+    names = [
+        "FORMATS", "DEFAULT_SAMPLING", "SamplingSettings", "warp_timesteps", "load_checkpoint_safely",
+        "DetectedCheckpoint", "detect_format", "original_to_diffusers_state_dict", "to_diffusers_state_dict",
+        "check_state_dict", "ConversionResult", "build_transformer", "convert_checkpoint", "model_card",
+        "add_convert_subparser", "run_convert", "CheckpointConversionError", "UnsafeCheckpointError",
+    ]  # fmt: skip
+    assert all(callable(getattr(convert, name)) or name.isupper() for name in names)
+    assert {"auto", "self-forcing", "causvid", "fastgen"} <= set(convert.FORMATS)
