@@ -107,12 +107,12 @@ class HubPipelineMixin:
     """
 
     def save_config(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs) -> None:
-        super().save_config(save_directory, push_to_hub=False, **kwargs)
-        make_hub_loadable(save_directory)
-        if push_to_hub:
+        if push_to_hub:  # diffusers' own pipelines push from save_pretrained, after save_config
             raise ValueError(
                 "Push a causal pipeline with `save_pretrained(..., push_to_hub=True)`, not `save_config`."
             )
+        super().save_config(save_directory, **kwargs)
+        make_hub_loadable(save_directory)
 
     @classmethod
     def _dict_from_json_file(cls, json_file: str | os.PathLike) -> dict[str, Any]:
