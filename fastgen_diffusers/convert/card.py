@@ -13,8 +13,8 @@ import torch
 from ..hub import HUB_PIPELINE_MODULE
 
 if TYPE_CHECKING:
-    from .core import ConversionResult
     from .formats import StudentFormat
+    from .result import ConversionResult
 
 __all__ = ["REPO_PLACEHOLDER", "model_card"]
 

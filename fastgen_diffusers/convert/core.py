@@ -6,7 +6,6 @@ import inspect
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,9 +16,10 @@ from diffusers.utils import logging
 from ..hub import make_hub_loadable
 from ..models import WanCausalTransformer3DModel
 from .card import model_card
-from .formats import SamplingSettings, get_format
+from .formats import get_format
 from .loading import LazySafetensors, detect_format, load_checkpoint_safely, load_lora_state_dict
 from .mapping import CheckpointConversionError, check_state_dict, diffusers_key_map, lora_key_map, merge_lora
+from .result import ConversionResult
 from .writer import atomic_output_dir, copy_base_components, parse_size, resolve_base, write_sharded_safetensors
 
 __all__ = ["ConversionResult", "build_transformer", "convert_checkpoint"]
@@ -36,33 +36,6 @@ _SAFETENSORS_DTYPES = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
 }
-
-
-@dataclass
-class ConversionResult:
-    """What :func:`convert_checkpoint` wrote.
-
-    Attributes:
-        output: The pipeline directory.
-        format: Row of the format table (``self-forcing``, ``longlive``, ...).
-        copy: Name of the converted weight copy (``generator_ema``, ``net``, ...).
-        description: What format detection found.
-        sampling: The sampling settings stored with the pipeline.
-        pipeline_settings: Names of the settings ``pipe(...)`` reads from the stored configs today.
-        pending_settings: Names stored only in ``sampling.json`` (for policies the pipeline does not have yet).
-        lora: ``None``, ``"merged"`` or ``"kept"`` (a diffusers LoRA file next to the pipeline).
-        shards: Transformer weight files.
-    """
-
-    output: Path
-    format: str
-    copy: str
-    description: str
-    sampling: SamplingSettings
-    pipeline_settings: tuple[str, ...] = ()
-    pending_settings: tuple[str, ...] = ()
-    lora: str | None = None
-    shards: tuple[str, ...] = ()
 
 
 def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
