@@ -189,3 +189,13 @@ def test_convert_benchmark_runs_on_a_small_forty_layer_checkpoint(tmp_path, caps
                 + ["--max-shard-size", str(nbytes // 3)])  # fmt: skip
     figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert figures["shards"] >= 3 and figures["peak_mb"] >= figures["baseline_mb"]
+
+
+def test_a_safetensors_file_with_a_pt_name_is_read_as_safetensors(tmp_path):
+    weights = _weights()
+    path = tmp_path / "model.pt"
+    save_file(weights, str(path))
+    loaded = load_checkpoint_safely(path)
+    assert sorted(loaded) == sorted(weights) and torch.equal(
+        loaded["model.head.head.weight"], weights["model.head.head.weight"]
+    )

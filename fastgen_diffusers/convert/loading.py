@@ -71,6 +71,11 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def _looks_like_safetensors(head: bytes, size: int) -> bool:
+    """A safetensors file starts with the little-endian u64 length of its JSON header, then ``{``."""
+    return len(head) > 8 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < size
+
+
 def _what_it_is(head: bytes) -> str:
     """A guess at a non-checkpoint file's kind from its first bytes."""
     stripped = head.lstrip()
@@ -80,8 +85,6 @@ def _what_it_is(head: bytes) -> str:
         return "a JSON/text file"
     if head[:4] == b"\x89HDF":
         return "an HDF5 file"
-    if len(head) >= 9 and head[8:9] == b"{":
-        return "a safetensors file (rename it to .safetensors)"
     if head[:7] == b"version":
         return "a Git LFS pointer (the real file was not downloaded: run `git lfs pull`)"
     try:
@@ -106,7 +109,9 @@ def load_checkpoint_safely(path: str | os.PathLike) -> Any:
     size = path.stat().st_size
     if size == 0:
         raise CheckpointConversionError(f"Checkpoint {str(path)!r} is empty (0 bytes): the download or copy failed.")
-    if path.suffix == ".safetensors":
+    with path.open("rb") as handle:
+        head = handle.read(64)
+    if path.suffix == ".safetensors" or _looks_like_safetensors(head, size):
         try:
             return LazySafetensors(path)
         except Exception as error:  # safetensors raises its own SafetensorError
@@ -114,8 +119,6 @@ def load_checkpoint_safely(path: str | os.PathLike) -> Any:
                 f"Checkpoint {str(path)!r} ({size} bytes) is not a readable safetensors file (truncated or "
                 f"corrupt): {_first_line(error)}"
             ) from None
-    with path.open("rb") as handle:
-        head = handle.read(64)
     is_zip = zipfile.is_zipfile(path)
     if head[:2] == b"PK" and not is_zip:
         raise CheckpointConversionError(
@@ -129,7 +132,12 @@ def load_checkpoint_safely(path: str | os.PathLike) -> Any:
         )
     try:
         # mmap keeps multi-GB zip checkpoints out of RAM until their tensors are used; legacy pickles cannot mmap.
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+        except RuntimeError as error:
+            if not is_zip or "mmap" not in str(error).lower():
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)  # a zip torch cannot map: read it
     except pickle.UnpicklingError as error:
         if "weights only load failed" not in str(error).lower() or "truncated" in str(error).lower():
             raise CheckpointConversionError(
