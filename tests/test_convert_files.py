@@ -4,6 +4,7 @@ complete or absent, shards streamed one at a time, and the CLI's one-line errors
 from __future__ import annotations
 
 import gc
+import math
 import os
 import subprocess
 import sys
@@ -113,15 +114,19 @@ def test_an_interrupted_conversion_leaves_nothing_that_looks_valid(wan_base, tmp
         _convert(tmp_path, wan_base, _weights())
 
 
-def test_shards_are_written_one_at_a_time(tmp_path):
-    """The writer makes a shard's tensors only when it writes that shard and drops them before the next one: at most
-    one shard of output tensors is alive, so peak memory is the (mmapped/lazy) source plus one shard."""
+def test_shards_are_written_one_tensor_at_a_time(tmp_path):
+    """The writer makes each output tensor only when it writes it, straight into its shard file, and drops it before
+    the next one: one output tensor is alive at a time, so peak memory is the (mapped/lazy) source plus one tensor."""
+    from safetensors.torch import load_file
+
     shapes = {f"w{i}": (torch.Size([64, 64]), torch.float32) for i in range(12)}  # 16 KiB each
+    shapes["h"] = (torch.Size([3, 5]), torch.bfloat16)
     alive: set[str] = set()
     peak = [0]
 
     def make_tensor(name: str) -> torch.Tensor:
-        tensor = torch.full((64, 64), float(name[1:]))
+        shape, dtype = shapes[name]
+        tensor = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape).to(dtype) + len(name)
         alive.add(name)
         weakref.finalize(tensor, alive.discard, name)
         peak[0] = max(peak[0], len(alive))
@@ -130,7 +135,14 @@ def test_shards_are_written_one_at_a_time(tmp_path):
     shards = write_sharded_safetensors(tmp_path, shapes, make_tensor, max_shard_size=40_000)
     gc.collect()
     assert len(shards) == 6 and (tmp_path / "diffusion_pytorch_model.safetensors.index.json").is_file()
-    assert peak[0] <= 2 and not alive  # two 16 KiB tensors fit a 40 kB shard
+    assert peak[0] == 1 and not alive
+    written = {}
+    for shard in shards:
+        written.update(load_file(str(tmp_path / shard)))
+    assert sorted(written) == sorted(shapes)
+    for name, (shape, dtype) in shapes.items():
+        expected = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape).to(dtype) + len(name)
+        assert written[name].dtype == dtype and torch.equal(written[name], expected), name
 
 
 def test_cli_errors_are_one_line_without_a_traceback(tmp_path):

@@ -1,8 +1,8 @@
 """Writing a converted pipeline directory: transformer shards streamed tensor by tensor, base components copied.
 
 Peak memory stays near one copy of the transformer weights: the source is memory-mapped (zip ``.pt``) or read
-lazily (safetensors), each output tensor is made (renamed, LoRA-merged, cast) only when its shard is written, and a
-shard's tensors are released before the next one. The text encoder, tokenizer and VAE are copied as files, never
+lazily (safetensors), and each output tensor is made (renamed, LoRA-merged, cast) only when it is written, straight
+into its shard file, and released before the next one. The text encoder, tokenizer and VAE are copied as files, never
 loaded. Everything is written to a temporary directory beside the output and renamed at the end.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -65,36 +66,62 @@ def atomic_output_dir(output: Path) -> Iterator[Path]:
         raise
 
 
+_SAFETENSORS_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def _write_safetensors_file(
+    path: Path,
+    names: list[str],
+    shapes: Mapping[str, tuple[torch.Size, torch.dtype]],
+    make_tensor: Callable[[str], torch.Tensor],
+) -> None:
+    """One safetensors file written tensor by tensor: the header is planned from ``shapes``, then each tensor's bytes
+    go straight from ``make_tensor(name)`` to the file (no serialization buffer), so one tensor is in memory."""
+    header, offset = {}, 0
+    for name in names:
+        shape, dtype = shapes[name]
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _SAFETENSORS_CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with path.open("wb") as handle:
+        handle.write(len(blob).to_bytes(8, "little"))
+        handle.write(blob)
+        for name in names:
+            tensor = make_tensor(name)
+            if tuple(tensor.shape) != tuple(shapes[name][0]) or tensor.dtype != shapes[name][1]:
+                raise AssertionError(f"{name}: made {tuple(tensor.shape)} {tensor.dtype}, planned {shapes[name]}")
+            handle.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del tensor
+
+
 def write_sharded_safetensors(
     directory: Path,
     shapes: Mapping[str, tuple[torch.Size, torch.dtype]],
     make_tensor: Callable[[str], torch.Tensor],
     max_shard_size: int,
 ) -> list[str]:
-    """Write ``{name: make_tensor(name)}`` as diffusers' (sharded) safetensors, one shard in memory at a time.
+    """Write ``{name: make_tensor(name)}`` as diffusers' (sharded) safetensors, one tensor in memory at a time.
 
     Args:
         directory: The transformer folder.
         shapes: ``{name: (shape, dtype)}`` of every output tensor (planned before any tensor is made).
-        make_tensor: Builds one output tensor; called once per name, in shard order.
+        make_tensor: Builds one output tensor; called once per name, in file order.
         max_shard_size: Shard limit in bytes (diffusers' naming: ``diffusion_pytorch_model-00001-of-0000N``).
 
     Returns:
         The shard file names.
     """
-    from safetensors.torch import save_file
-
     meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
     split = split_torch_state_dict_into_shards(meta, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
-        shard = {}
-        for name in names:
-            tensor = make_tensor(name)
-            if tuple(tensor.shape) != tuple(shapes[name][0]) or tensor.dtype != shapes[name][1]:
-                raise AssertionError(f"{name}: made {tuple(tensor.shape)} {tensor.dtype}, planned {shapes[name]}")
-            shard[name] = tensor.contiguous()
-        save_file(shard, str(directory / filename), metadata={"format": "pt"})
-        del shard
+        _write_safetensors_file(directory / filename, sorted(names), shapes, make_tensor)
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
