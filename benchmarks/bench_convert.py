@@ -8,8 +8,9 @@ kernel drops under pressure). Output tensors go one at a time straight into thei
 
     peak RSS - baseline ~ mapped source pages (file-backed, <= the checkpoint) + a small anonymous part
 
-and the last line scales the anonymous part measured here to Wan2.1-14B (28.6 GB of bf16 weights). Timings on a
-shared machine are noisy; compare the ratios of one run.
+and the last line scales the anonymous part measured here to Wan2.1-14B (28.6 GB of bf16 weights). Most of that
+anonymous part is glibc keeping the memory of freed tensors: with `MALLOC_MMAP_THRESHOLD_=65536` it falls to a fixed
+~40 MB at width 512 (one tensor plus overhead). Timings on a shared machine are noisy; compare the ratios of one run.
 """
 
 from __future__ import annotations
