@@ -211,3 +211,20 @@ def test_a_safetensors_file_with_a_pt_name_is_read_as_safetensors(tmp_path):
     assert sorted(loaded) == sorted(weights) and torch.equal(
         loaded["model.head.head.weight"], weights["model.head.head.weight"]
     )
+
+
+def test_a_missing_base_says_so_and_an_unfetchable_hub_id_says_how_to_fetch(tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from fastgen_diffusers.convert.writer import resolve_base
+
+    with pytest.raises(CheckpointConversionError, match="no such directory"):
+        resolve_base(str(tmp_path / "nope" / "wan"))
+
+    def offline(*args, **kwargs):
+        raise LocalEntryNotFoundError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(CheckpointConversionError, match="huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers"):
+        resolve_base("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")

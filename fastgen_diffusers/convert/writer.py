@@ -142,15 +142,24 @@ def resolve_base(base: str | os.PathLike) -> Path:
                 f"--base {str(base)!r} is not a diffusers pipeline directory (no model_index.json)."
             )
         return path
-    if path.exists() or str(base).count("/") != 1:
+    looks_local = path.is_absolute() or str(base).startswith((".", "~"))
+    if path.exists() or looks_local or str(base).count("/") != 1:
         raise CheckpointConversionError(
             f"--base {str(base)!r} is neither a diffusers pipeline directory nor a Hub id like "
-            "'Wan-AI/Wan2.1-T2V-1.3B-Diffusers'."
+            "'Wan-AI/Wan2.1-T2V-1.3B-Diffusers'" + (" (no such directory)." if not path.exists() else ".")
         )
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     patterns = ["model_index.json", "scheduler/*", "transformer/config.json", *(f"{c}/*" for c in COPIED_COMPONENTS)]
-    return Path(snapshot_download(str(base), allow_patterns=patterns))
+    try:
+        return Path(snapshot_download(str(base), allow_patterns=patterns))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
+        raise CheckpointConversionError(
+            f"--base {str(base)!r} could not be fetched from the Hub ({type(error).__name__}); when offline, fetch it "
+            f"first with `huggingface-cli download {base} --include 'model_index.json' 'scheduler/*' "
+            "'transformer/config.json' 'tokenizer/*' 'text_encoder/*' 'vae/*'`, or pass a local directory."
+        ) from None
 
 
 def copy_base_components(base: Path, staging: Path) -> dict[str, list]:
