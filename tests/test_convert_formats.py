@@ -71,6 +71,8 @@ CONTAINERS = {
     "reward-forcing": ("checkpoints/rewardforcing.pt", original_state_dict(EMA), EMA, "reward-forcing"),
     # LongLive's inference config has use_ema: false, so its loader takes `generator`.
     "longlive": (*_self_forcing_family("longlive_models/longlive_base.pt"), REGULAR, "longlive"),
+    # LongLive 2.0 (main) saves its merged bf16 generator as {"model": ...}.
+    "longlive-2": ("longlive2/model_bf16.pt", {"model": original_state_dict(REGULAR)}, REGULAR, "longlive-2"),
     "krea": ("checkpoints/krea-realtime-video-14b.safetensors", original_state_dict(EMA), EMA, "krea"),
     # StreamDiffusionV2 may drop the `model.` prefix; its loader takes `generator` first.
     "streamdiffusionv2": (
@@ -93,6 +95,12 @@ EXPECTED = {
     "rolling-forcing": {"timesteps": warp_timesteps([1000, 800, 600, 400, 200], 5.0), "chunk_size": 3},
     "reward-forcing": {"timesteps": SF, "attention_window": 9, "sink_frames": 3},
     "longlive": {"timesteps": SF, "attention_window": 12, "sink_frames": 3, "chunk_size": 3},
+    "longlive-2": {
+        "timesteps": (1000.0, 937.0, 833.0, 625.0),
+        "chunk_size": 8,
+        "attention_window": 32,
+        "sink_frames": 8,
+    },
     "krea": {
         "timesteps": (1000.0, 937.0, 833.0, 625.0),
         "kv_cache_policy": "recompute",

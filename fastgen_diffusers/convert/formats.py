@@ -235,6 +235,14 @@ def _reward_forcing(facts: CheckpointFacts) -> str | None:
     return None
 
 
+def _longlive_2(facts: CheckpointFacts) -> str | None:
+    if facts.name_has("longlive2", "longlive-2", "longlive_2", "model_bf16"):
+        return "file name matches LongLive 2.0's release"
+    if facts.container == "model" and facts.dim == 3072:
+        return "weights under 'model' with the Wan2.2-TI2V-5B width (3072)"
+    return None
+
+
 def _fastgen(facts: CheckpointFacts) -> str | None:
     return "weights under {'model': {'net', 'ema'}}" if facts.container == "fastgen" else None
 
@@ -293,6 +301,23 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         # configs/reward_forcing.yaml: warped [1000, 750, 500, 250], local_attn_size 9, sink_size 3.
         SamplingSettings(timesteps=_SF_STEPS, shift=5.0, attention_window=9, sink_frames=3),
         _reward_forcing,
+    ),
+    StudentFormat(
+        "longlive-2",
+        "LongLive 2.0",
+        "NVlabs/LongLive",
+        ("model_bf16.pt",),
+        ("model", "generator"),
+        # configs/inference.yaml (main): Wan2.2-TI2V-5B, sampling_steps 4 (sigmas 1, .75, .5, .25 shifted by 5 and
+        # truncated: 1000, 937, 833, 625), 8-frame blocks, local_attn_size 32, sink_size 8; its multi-shot sinks and
+        # NVFP4 files are not converted (packed NVFP4 weights are refused as non-float).
+        SamplingSettings(
+            timesteps=(1000.0, 937.0, 833.0, 625.0), shift=5.0, chunk_size=8, attention_window=32, sink_frames=8
+        ),
+        _longlive_2,
+        prefer_ema=False,
+        license_note="LongLive is released under the NVIDIA license of the NVlabs/LongLive repository; check it "
+        "and the Wan2.2-TI2V-5B license.",
     ),
     StudentFormat(
         "longlive",
