@@ -359,3 +359,18 @@ def test_causal_forcing_plus_plus_denoises_the_first_chunk_with_four_steps(wan_b
     # 9 frames = 3 latent frames = 3 frame-wise chunks: 4 steps, then 1 step each.
     assert [len(s) for s in steps_per_chunk] == [4, 1, 1]
     assert steps_per_chunk[0] == pytest.approx(list(SF), abs=1e-3) and steps_per_chunk[1] == [1000.0]
+
+
+def test_a_lora_that_does_not_fit_is_refused_before_any_work(wan_base, longlive_release, tmp_path):  # noqa: F811
+    from fastgen_diffusers.convert import CheckpointConversionError
+
+    base, _ = longlive_release
+    lora = peft_lora(REGULAR)
+    key = next(k for k in lora if k.endswith("lora_B.weight"))
+    lora[key] = torch.zeros(lora[key].shape[0] + 1, LORA_RANK)
+    torch.save(lora, tmp_path / "lora.pt")
+    with pytest.raises(CheckpointConversionError, match="LoRA shapes do not fit"):
+        convert_checkpoint(
+            base, base=wan_base, output=tmp_path / "o", base_model_id="org/w", lora=tmp_path / "lora.pt"
+        )
+    assert not (tmp_path / "o").exists()

@@ -197,6 +197,19 @@ def convert_checkpoint(
         unknown = sorted(set(lora_map) - set(expected))
         if unknown:
             raise CheckpointConversionError(f"The LoRA adapts modules the transformer does not have: {unknown[:10]}.")
+        misfit = [
+            f"{name}: A {tuple(lora_weights[key_a].shape)}, B {tuple(lora_weights[key_b].shape)}, "
+            f"W {tuple(expected[name])}"
+            for name, (key_a, key_b) in lora_map.items()
+            if len(expected[name]) != 2
+            or lora_weights[key_a].shape[1:] != expected[name][1:]
+            or lora_weights[key_b].shape[:1] != expected[name][:1]
+            or lora_weights[key_a].shape[0] != lora_weights[key_b].shape[1]
+        ]
+        if misfit:
+            raise CheckpointConversionError(
+                f"LoRA shapes do not fit the weights (A (r, in), B (out, r)): {misfit[:5]}."
+            )
         alpha = lora_alpha if lora_alpha is not None else row.lora_alpha
 
     def make_tensor(name: str) -> torch.Tensor:
