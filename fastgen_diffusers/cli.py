@@ -14,8 +14,8 @@ from pathlib import Path
 
 from . import __version__
 from .cli_checks import UsageError, check_generate_arguments, read_media
+from .cli_convert import add_convert_subparser
 from .cli_i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
-from .convert import add_convert_subparser
 
 DTYPES = ("bfloat16", "float16", "float32")
 CONTEXT_PARALLEL_MODES = ("ulysses",)  # fastgen_diffusers.parallel.CONTEXT_PARALLEL_MODES (a test keeps them equal)

@@ -8,7 +8,6 @@ a bug that would print a traceback and fail the case; a control case shows that 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -232,10 +231,8 @@ HELP_SLACK = 3.0  # a loaded CI box; the figure measured is printed
 
 # Until the converter is split into a package whose argparse module imports nothing heavy (#12, the convert helper),
 # `build_parser` imports the single-module converter and with it torch; the test holds again the moment it is split.
-CONVERT_NOT_SPLIT = importlib.util.find_spec("fastgen_diffusers.convert").submodule_search_locations is None
 
 
-@pytest.mark.xfail(CONVERT_NOT_SPLIT, reason="fastgen_diffusers/convert.py (one module) imports torch", strict=True)
 @pytest.mark.parametrize("args", [["--help"], ["generate", "--help"]])
 def test_help_is_fast_and_imports_no_heavy_module(args, tmp_path):
     """``--help`` answers in under a second: the heavy stack (torch, diffusers, transformers) is never imported."""

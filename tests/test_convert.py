@@ -1,4 +1,7 @@
-"""Converting Self-Forcing / CausVid / FastGen checkpoints into causal pipeline directories (tiny models, CPU)."""
+"""Converting Self-Forcing / CausVid / FastGen checkpoints into causal pipeline directories (tiny models, CPU).
+
+The helpers here (original-layout state dicts, the tiny base directory) are shared by the other test_convert_* files.
+"""
 
 from __future__ import annotations
 
@@ -167,13 +170,13 @@ def test_ema_selection_errors_name_the_copies():
     assert (bare.format, bare.select(), bare.description) == (
         "fastgen",
         "state_dict",
-        "bare state dict (diffusers Wan keys, no EMA copy)",
+        "FastGen: a flat state dict (diffusers Wan keys, no EMA copy)",
     )
 
 
 def test_detect_format_rejects_unknown_and_contradicting_layouts():
-    with pytest.raises(CheckpointConversionError, match=r"Unrecognised checkpoint.*\['state_dict'\]"):
-        detect_format({"state_dict": ORIGINAL})
+    with pytest.raises(CheckpointConversionError, match=r"Unrecognised checkpoint.*\['weights'\]"):
+        detect_format({"weights": ORIGINAL})
     with pytest.raises(CheckpointConversionError, match=r"Cannot tell the key layout.*\['model.norm.weight'\]"):
         detect_format({"generator": {"model.norm.weight": torch.zeros(1)}})
     with pytest.raises(CheckpointConversionError, match="--format fastgen expects"):
@@ -293,6 +296,7 @@ def test_converted_self_forcing_directory_loads_and_generates(wan_base, tmp_path
     checkpoint = tmp_path / "self_forcing_dmd.pt"
     torch.save({"generator": original_state_dict(regular), "generator_ema": original_state_dict(ema)}, checkpoint)
     result = convert_checkpoint(checkpoint, base=wan_base, output=tmp_path / "out", base_model_id="org/wan-tiny")
+    assert not [p.name for p in tmp_path.iterdir() if ".partial-" in p.name]  # the staging directory was renamed
     assert (result.format, result.copy) == ("self-forcing", "generator_ema")
 
     files = {p.relative_to(result.output).as_posix() for p in result.output.rglob("*") if p.is_file()}
@@ -316,7 +320,7 @@ def test_converted_self_forcing_directory_loads_and_generates(wan_base, tmp_path
     assert "self_forcing_dmd.pt" in card and "`generator_ema`" in card and "937.5" in card
     assert "pip install fastgen-diffusers" in card and "WanCausalPipeline.from_pretrained" in card
     assert "(https://huggingface.co/org/wan-tiny)" in card
-    assert "`pipe(prompt, timesteps=[1000, 937.5, 833.3333333, 625], context_noise=0)`" in card
+    assert "`pipe(prompt, timesteps=[1000, 937.5, 833.3333333, 625], context_noise=0" in card
 
 
 def test_converted_fastgen_regular_weights_with_overrides(wan_base, tmp_path):
@@ -339,6 +343,7 @@ def test_converted_fastgen_regular_weights_with_overrides(wan_base, tmp_path):
         independent_first_frame=True,
         timesteps=[1000, 500],
         context_noise=100,
+        base_model_id="org/wan-tiny",
     )
     assert (result.format, result.copy) == ("fastgen", "net")
     pipe = WanCausalPipeline.from_pretrained(result.output)
@@ -356,7 +361,9 @@ def test_call_without_arguments_uses_the_stored_settings(wan_base, tmp_path):
 
     checkpoint = tmp_path / "model.pt"
     torch.save({"generator": original_state_dict(_student())}, checkpoint)
-    result = convert_checkpoint(checkpoint, base=wan_base, output=tmp_path / "out", format="causvid")
+    result = convert_checkpoint(
+        checkpoint, base=wan_base, output=tmp_path / "out", format="causvid", base_model_id="org/wan-tiny"
+    )
     assert result.sampling.timesteps == (1000.0, 757.0, 522.0)
     pipe = WanCausalPipeline.from_pretrained(result.output)
     default = pipe("a cat", generator=torch.Generator().manual_seed(0), **GENERATE).frames
@@ -373,15 +380,30 @@ def test_cli_convert(wan_base, tmp_path, capsys):
     torch.save({"generator": original_state_dict(_student())}, checkpoint)
     parser = argparse.ArgumentParser(prog="fastgen-diffusers")
     add_convert_subparser(parser.add_subparsers(dest="command", required=True))
-    argv = ["convert", "--checkpoint", str(checkpoint), "--base", str(wan_base), "--output", str(tmp_path / "o")]
+    argv = ["convert", "--checkpoint", str(checkpoint), "--base", str(wan_base), "--base-model-id", "org/w"]
+    argv += ["--output", str(tmp_path / "o")]
     args = parser.parse_args([*argv, "--format", "causvid", "--timesteps", "1000", "750", "--warp-shift", "8"])
     assert args.func(args) == 0
     printed = capsys.readouterr().out
-    assert "Self-Forcing/CausVid checkpoint (original Wan keys) with weight copies ['generator']" in printed
-    assert "'timesteps': (1000.0, 960.0)" in printed
+    found = "CausVid: a {'generator', 'generator_ema'} checkpoint (original Wan keys, weight copies ['generator'])"
+    assert found in printed
+    assert "'timesteps': [1000.0, 960.0]" in printed
     assert "'shift': 8.0" in printed
-    with pytest.raises(SystemExit, match="exists and is not an empty directory"):
+    with pytest.raises(SystemExit, match="^error: --output .* exists and is not an empty directory"):
         args.func(args)
     args = parser.parse_args([*argv[:-1], str(tmp_path / "o2"), "--ema"])
     with pytest.raises(SystemExit, match="An EMA copy was requested but the checkpoint has none"):
         args.func(args)
+
+
+def test_names_of_the_single_module_converter_still_import():
+    import fastgen_diffusers.convert as convert
+
+    names = [
+        "FORMATS", "DEFAULT_SAMPLING", "SamplingSettings", "warp_timesteps", "load_checkpoint_safely",
+        "DetectedCheckpoint", "detect_format", "original_to_diffusers_state_dict", "to_diffusers_state_dict",
+        "check_state_dict", "ConversionResult", "build_transformer", "convert_checkpoint", "model_card",
+        "add_convert_subparser", "run_convert", "CheckpointConversionError", "UnsafeCheckpointError",
+    ]  # fmt: skip
+    assert all(callable(getattr(convert, name)) or name.isupper() for name in names)
+    assert {"auto", "self-forcing", "causvid", "fastgen"} <= set(convert.FORMATS)

@@ -30,6 +30,7 @@ from diffusers.utils import logging, replace_example_docstring
 from diffusers.video_processor import VideoProcessor
 from transformers import AutoTokenizer, UMT5EncoderModel
 
+from ..hub import HubPipelineMixin
 from ..models import WanCausalTransformer3DModel
 from .live import LiveRolloutMixin
 from .options import RolloutOptions
@@ -106,7 +107,7 @@ def causal_scheduler_from_config(config: dict[str, Any]) -> FlowMatchEulerDiscre
     )
 
 
-class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, LiveRolloutMixin):
+class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin, LiveRolloutMixin):
     r"""
     Text-to-video generation with a causal Wan student (Self-Forcing, CausVid, ...): the video is generated chunk by
     chunk of latent frames, each chunk attending to the KV cache of the chunks before it.

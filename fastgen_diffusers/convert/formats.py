@@ -1,0 +1,417 @@
+"""The table of checkpoint formats: one row per released student (name, title, project, sampling defaults, detector).
+
+A new student is a new :class:`StudentFormat` row in :data:`STUDENT_FORMATS`: its container kinds, its sampling
+settings (read from the project's own inference config) and a detector that recognises its released files. Nothing
+else in the converter branches on a format name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = [
+    "DEFAULT_SAMPLING",
+    "FORMATS",
+    "STUDENT_FORMATS",
+    "CheckpointFacts",
+    "SamplingSettings",
+    "StudentFormat",
+    "get_format",
+    "warp_timesteps",
+]
+
+KV_CACHE_POLICIES = ("sequential", "recompute")
+
+
+def _timesteps(values: Sequence[float] | None, name: str) -> tuple[float, ...] | None:
+    if values is None:
+        return None
+    ts = tuple(float(t) for t in values)
+    if not ts or any(not 0 < t <= 1000 for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
+        raise ValueError(f"`{name}` must be strictly descending values in (0, 1000], got {list(ts)}.")
+    return ts
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How a few-step causal student samples; written into the converted pipeline so ``pipe(prompt)`` uses it.
+
+    Args:
+        timesteps: Model-scale denoising timesteps of every chunk, in ``(0, 1000]``, descending, without the final 0
+            (Self-Forcing's warped ``denoising_step_list``, FastGen's ``t_list * 1000``).
+        shift: Flow-matching shift of the scheduler (already folded into ``timesteps``).
+        context_noise: Model-scale timestep of the pass that stores a finished chunk in the KV cache (0: clean).
+        chunk_size: Latent frames per causal chunk (``num_frame_per_block``).
+        independent_first_frame: Whether the first latent frame is a chunk of its own.
+        first_chunk_timesteps: Timesteps of the first chunk when they differ from ``timesteps`` (Causal Forcing++
+            1/2-step models denoise the first chunk with 4 steps: ``denoising_step_list_first_chunk``).
+        attention_window: Sliding attention window in latent frames, the sink included (``local_attn_size``).
+        sink_frames: First latent frames kept inside the window (``sink_size``).
+        kv_cache_policy: ``"sequential"`` (cache each finished chunk) or ``"recompute"`` (Krea: re-encode a few
+            context frames before every chunk). Stored for the policy that implements it.
+        context_frames: Latent frames the recompute policy re-encodes (Krea's ``kv_cache_num_frames``).
+        kv_cache_attention_bias: Attention weight on cached frames, as a factor (Krea: 0.3, i.e. ``log(0.3)`` added
+            to the logits); 1.0 is no bias.
+    """
+
+    timesteps: tuple[float, ...]
+    shift: float
+    context_noise: float = 0.0
+    chunk_size: int = 3
+    independent_first_frame: bool = False
+    first_chunk_timesteps: tuple[float, ...] | None = None
+    attention_window: int | None = None
+    sink_frames: int = 0
+    kv_cache_policy: str = "sequential"
+    context_frames: int | None = None
+    kv_cache_attention_bias: float = 1.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "timesteps", _timesteps(self.timesteps, "timesteps"))
+        object.__setattr__(
+            self, "first_chunk_timesteps", _timesteps(self.first_chunk_timesteps, "first_chunk_timesteps")
+        )
+        if not math.isfinite(self.shift) or self.shift <= 0:
+            raise ValueError(f"`shift` must be a positive number, got {self.shift}.")
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"`chunk_size` must be a positive number of latent frames, got {self.chunk_size}.")
+        if not 0 <= self.context_noise < 1000:
+            raise ValueError(f"`context_noise` must be a model-scale timestep in [0, 1000), got {self.context_noise}.")
+        if self.attention_window is not None and self.attention_window < 1:
+            raise ValueError(f"`attention_window` must be a positive number of frames, got {self.attention_window}.")
+        if self.sink_frames < 0 or (self.sink_frames and self.attention_window is None):
+            raise ValueError(
+                f"`sink_frames` must be >= 0 and needs an `attention_window`, got sink {self.sink_frames} with "
+                f"window {self.attention_window}."
+            )
+        if self.attention_window is not None and self.sink_frames >= self.attention_window:
+            raise ValueError(
+                f"`sink_frames` ({self.sink_frames}) must be smaller than `attention_window` "
+                f"({self.attention_window})."
+            )
+        if self.kv_cache_policy not in KV_CACHE_POLICIES:
+            raise ValueError(f"`kv_cache_policy` must be one of {KV_CACHE_POLICIES}, got {self.kv_cache_policy!r}.")
+        if not 0 < self.kv_cache_attention_bias <= 1:
+            raise ValueError(f"`kv_cache_attention_bias` must be in (0, 1], got {self.kv_cache_attention_bias}.")
+
+    @property
+    def num_inference_steps(self) -> int:
+        """Denoising steps per chunk (after the first chunk when ``first_chunk_timesteps`` is set)."""
+        return len(self.timesteps)
+
+    def replace(self, **overrides: Any) -> SamplingSettings:
+        """A copy with the given fields replaced; ``None`` values keep the stored one."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update({key: value for key, value in overrides.items() if value is not None})
+        return SamplingSettings(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready values (tuples as lists)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
+
+
+def warp_timesteps(indices: Sequence[float], shift: float) -> tuple[float, ...]:
+    """Self-Forcing's ``warp_denoising_step``: map ``denoising_step_list`` indices to shifted model timesteps.
+
+    ``t = 1000 * shift * s / (1 + (shift - 1) * s)`` with ``s = index / 1000``; ``[1000, 750, 500, 250]`` with shift 5
+    gives ``[1000, 937.5, 833.33, 625]``.
+    """
+    warped = []
+    for index in indices:
+        sigma = float(index) / 1000.0
+        warped.append(1000.0 * shift * sigma / (1.0 + (shift - 1.0) * sigma))
+    return tuple(warped)
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What a detector may look at: the file's path, its container kind and its (unwrapped) key layout.
+
+    Attributes:
+        path: The checkpoint path as given (lower-cased), or ``""`` when unknown.
+        container: ``"generator"`` (``{"generator", "generator_ema"}``), ``"state_dict"`` (``{"state_dict": ...}``),
+            ``"model"`` (``{"model": sd}``), ``"fastgen"`` (``{"model": {"net", "ema"}}``) or ``"flat"``.
+        layout: ``"original"`` or ``"diffusers"`` key names.
+        fsdp_wrapped: Whether any key carries a training-wrapper segment (``_fsdp_wrapped_module.``, ...).
+        model_prefix: Whether original keys carry the ``model.`` prefix.
+        num_layers: Number of transformer blocks.
+        dim: Hidden width.
+        safetensors: Whether the file is a safetensors file.
+    """
+
+    path: str = ""
+    container: str = "flat"
+    layout: str = "original"
+    fsdp_wrapped: bool = False
+    model_prefix: bool = True
+    num_layers: int = 0
+    dim: int = 0
+    safetensors: bool = False
+
+    def name_has(self, *parts: str) -> bool:
+        return any(part in self.path for part in parts)
+
+
+Detector = Callable[[CheckpointFacts], "str | None"]
+
+
+@dataclass(frozen=True)
+class StudentFormat:
+    """One row of the format table.
+
+    Attributes:
+        name: The ``--format`` value.
+        title: Human name of the project or model.
+        project: Source repository (``org/name``), shown in the model card.
+        files: The released file names this row reads.
+        containers: Container kinds (see :class:`CheckpointFacts`) the project saves; an explicit ``--format``
+            refuses any other.
+        sampling: The project's inference settings.
+        detector: ``facts -> evidence`` (a short reason) when ``facts`` look like this project's release, else None.
+        lora_alpha: LoRA alpha of the project's released adapter (None: alpha = rank).
+        prefer_ema: Whether the project's loader takes the EMA copy by default (LongLive and StreamDiffusionV2 load
+            ``generator``).
+        license_note: What the model card says about the source license.
+    """
+
+    name: str
+    title: str
+    project: str
+    files: tuple[str, ...]
+    containers: tuple[str, ...]
+    sampling: SamplingSettings
+    detector: Detector = field(default=lambda facts: None, repr=False, compare=False)
+    lora_alpha: float | None = None
+    prefer_ema: bool = True
+    license_note: str = "Check the license of the source checkpoint and of the base model."
+
+
+_SF_STEPS = warp_timesteps([1000, 750, 500, 250], 5.0)
+_ORIGINAL_CONTAINERS = ("generator", "flat")
+
+
+def _name(*parts: str) -> Detector:
+    return lambda facts: f"file name matches {parts[0]!r}" if facts.name_has(*parts) else None
+
+
+def _framewise(steps: str) -> Detector:
+    def detect(facts: CheckpointFacts) -> str | None:
+        if steps == "chunkwise":
+            hit = facts.name_has("causal_forcing", "causal-forcing") and not facts.name_has("framewise")
+        elif steps == "framewise":
+            hit = facts.name_has("framewise/causal_forcing", "framewise\\causal_forcing")
+        else:
+            hit = facts.name_has(f"framewise-{steps}")
+        return f"file name matches Causal Forcing's {steps} release" if hit else None
+
+    return detect
+
+
+def _krea(facts: CheckpointFacts) -> str | None:
+    if facts.name_has("krea"):
+        return "file name matches 'krea'"
+    if facts.safetensors and facts.container == "flat" and facts.num_layers == 40 and facts.dim == 5120:
+        return "a flat safetensors file with the Wan2.1-14B layout (40 blocks of width 5120)"
+    return None
+
+
+def _streamdiffusionv2(facts: CheckpointFacts) -> str | None:
+    if facts.name_has("streamdiffusionv2", "streamv2v"):
+        return "file name matches 'streamdiffusionv2'"
+    if facts.container == "state_dict":
+        return "weights under 'state_dict' (StreamDiffusionV2's container)"
+    if facts.layout == "original" and not facts.model_prefix:
+        return "original Wan keys without the 'model.' prefix (StreamDiffusionV2 saves them so)"
+    return None
+
+
+def _reward_forcing(facts: CheckpointFacts) -> str | None:
+    if facts.name_has("rewardforcing", "reward_forcing", "reward-forcing"):
+        return "file name matches 'rewardforcing'"
+    return None
+
+
+def _longlive_2(facts: CheckpointFacts) -> str | None:
+    if facts.name_has("longlive2", "longlive-2", "longlive_2", "model_bf16"):
+        return "file name matches LongLive 2.0's release"
+    if facts.container == "model" and facts.dim == 3072:
+        return "weights under 'model' with the Wan2.2-TI2V-5B width (3072)"
+    return None
+
+
+def _fastgen(facts: CheckpointFacts) -> str | None:
+    return "weights under {'model': {'net', 'ema'}}" if facts.container == "fastgen" else None
+
+
+# Order matters for --format auto: the first row whose detector answers wins; self-forcing is the fallback.
+STUDENT_FORMATS: tuple[StudentFormat, ...] = (
+    StudentFormat(
+        "fastgen",
+        "FastGen",
+        "NVlabs/FastGen",
+        ("{iteration:07d}.pth",),
+        ("fastgen", "flat"),
+        SamplingSettings(timesteps=(999.0, 937.0, 833.0, 624.0), shift=5.0),
+        _fastgen,
+    ),
+    StudentFormat(
+        "krea",
+        "Krea Realtime Video 14B",
+        "krea-ai/realtime-video",
+        ("krea-realtime-video-14b.safetensors",),
+        ("flat",),
+        # configs/self_forcing_server_14b.yaml: denoising_step_list [1000, 937, 833, 625] (no warp), 3-frame chunks,
+        # KV recompute over kv_cache_num_frames=3; scope's port adds the 0.3 attention bias on cached frames.
+        SamplingSettings(
+            timesteps=(1000.0, 937.0, 833.0, 625.0),
+            shift=5.0,
+            kv_cache_policy="recompute",
+            context_frames=3,
+            kv_cache_attention_bias=0.3,
+        ),
+        _krea,
+        license_note="Krea Realtime Video is released under its own license (see the krea-ai/realtime-video "
+        "repository); Wan2.1-T2V-14B is Apache-2.0.",
+    ),
+    StudentFormat(
+        "streamdiffusionv2",
+        "StreamDiffusionV2",
+        "chenfengxu714/StreamDiffusionV2",
+        ("model.pt",),
+        ("generator", "state_dict", "flat"),
+        # configs/wan_causal_dmd_v2v.yaml: [700, 500, 400, 200] unwarped, shift 8, one frame per block, 3 sink
+        # frames; scope's port keeps a 6-frame ring cache.
+        SamplingSettings(
+            timesteps=(700.0, 500.0, 400.0, 200.0), shift=8.0, chunk_size=1, attention_window=6, sink_frames=3
+        ),
+        _streamdiffusionv2,
+        prefer_ema=False,
+        license_note="StreamDiffusionV2 is Apache-2.0; check the base model's license.",
+    ),
+    StudentFormat(
+        "reward-forcing",
+        "Reward Forcing",
+        "JaydenLyh/Reward-Forcing",
+        ("rewardforcing.pt",),
+        _ORIGINAL_CONTAINERS,
+        # configs/reward_forcing.yaml: warped [1000, 750, 500, 250], local_attn_size 9, sink_size 3.
+        SamplingSettings(timesteps=_SF_STEPS, shift=5.0, attention_window=9, sink_frames=3),
+        _reward_forcing,
+    ),
+    StudentFormat(
+        "longlive-2",
+        "LongLive 2.0",
+        "NVlabs/LongLive",
+        ("model_bf16.pt",),
+        ("model", "generator"),
+        # configs/inference.yaml (main): Wan2.2-TI2V-5B, sampling_steps 4 (sigmas 1, .75, .5, .25 shifted by 5 and
+        # truncated: 1000, 937, 833, 625), 8-frame blocks, local_attn_size 32, sink_size 8; its multi-shot sinks and
+        # NVFP4 files are not converted (packed NVFP4 weights are refused as non-float).
+        SamplingSettings(
+            timesteps=(1000.0, 937.0, 833.0, 625.0), shift=5.0, chunk_size=8, attention_window=32, sink_frames=8
+        ),
+        _longlive_2,
+        prefer_ema=False,
+        license_note="LongLive is released under the NVIDIA license of the NVlabs/LongLive repository; check it "
+        "and the Wan2.2-TI2V-5B license.",
+    ),
+    StudentFormat(
+        "longlive",
+        "LongLive",
+        "NVlabs/LongLive",
+        ("longlive_base.pt", "lora.pt"),
+        ("generator", "model", "flat"),
+        # configs/longlive_inference.yaml (v1.0): warped [1000, 750, 500, 250], local_attn_size 12, sink_size 3;
+        # the LoRA adapter is rank 256, alpha 256.
+        SamplingSettings(timesteps=_SF_STEPS, shift=5.0, attention_window=12, sink_frames=3),
+        _name("longlive", "memflow"),
+        lora_alpha=256.0,
+        prefer_ema=False,
+        license_note="LongLive is released under the NVIDIA license of the NVlabs/LongLive repository; check it "
+        "and the base model's license.",
+    ),
+    StudentFormat(
+        "rolling-forcing",
+        "Rolling Forcing",
+        "TencentARC/RollingForcing",
+        ("rolling_forcing_dmd.pt",),
+        _ORIGINAL_CONTAINERS,
+        # configs/rolling_forcing_dmd.yaml: warped [1000, 800, 600, 400, 200]; its rolling window is a later policy.
+        SamplingSettings(timesteps=warp_timesteps([1000, 800, 600, 400, 200], 5.0), shift=5.0),
+        _name("rolling_forcing", "rolling-forcing", "rollingforcing"),
+    ),
+    StudentFormat(
+        "causal-forcing-1step",
+        "Causal Forcing++ (frame-wise, 1 step)",
+        "thu-ml/Causal-Forcing",
+        ("causal-forcing++/framewise-1step.pt",),
+        _ORIGINAL_CONTAINERS,
+        # configs/causal_forcing_dmd_framewise_1step.yaml: [1000]; first chunk [1000, 750, 500, 250]; both warped.
+        SamplingSettings(
+            timesteps=warp_timesteps([1000], 5.0), shift=5.0, chunk_size=1, first_chunk_timesteps=_SF_STEPS
+        ),
+        _framewise("1step"),
+    ),
+    StudentFormat(
+        "causal-forcing-2step",
+        "Causal Forcing++ (frame-wise, 2 steps)",
+        "thu-ml/Causal-Forcing",
+        ("causal-forcing++/framewise-2step.pt",),
+        _ORIGINAL_CONTAINERS,
+        SamplingSettings(
+            timesteps=warp_timesteps([1000, 500], 5.0), shift=5.0, chunk_size=1, first_chunk_timesteps=_SF_STEPS
+        ),
+        _framewise("2step"),
+    ),
+    StudentFormat(
+        "causal-forcing-framewise",
+        "Causal Forcing (frame-wise)",
+        "thu-ml/Causal-Forcing",
+        ("framewise/causal_forcing.pt",),
+        _ORIGINAL_CONTAINERS,
+        SamplingSettings(timesteps=_SF_STEPS, shift=5.0, chunk_size=1),
+        _framewise("framewise"),
+    ),
+    StudentFormat(
+        "causal-forcing",
+        "Causal Forcing (chunk-wise)",
+        "thu-ml/Causal-Forcing",
+        ("chunkwise/causal_forcing.pt",),
+        _ORIGINAL_CONTAINERS,
+        # configs/causal_forcing_dmd_chunkwise.yaml: warped [1000, 750, 500, 250], 3-frame blocks.
+        SamplingSettings(timesteps=_SF_STEPS, shift=5.0),
+        _framewise("chunkwise"),
+    ),
+    StudentFormat(
+        "causvid",
+        "CausVid",
+        "tianweiy/CausVid",
+        ("model.pt",),
+        _ORIGINAL_CONTAINERS,
+        SamplingSettings(timesteps=(1000.0, 757.0, 522.0), shift=8.0),
+    ),
+    StudentFormat(
+        "self-forcing",
+        "Self-Forcing",
+        "guandeh17/Self-Forcing",
+        ("self_forcing_dmd.pt",),
+        _ORIGINAL_CONTAINERS,
+        SamplingSettings(timesteps=_SF_STEPS, shift=5.0),
+        _name("self_forcing", "self-forcing"),
+    ),
+)
+
+_BY_NAME: Mapping[str, StudentFormat] = {row.name: row for row in STUDENT_FORMATS}
+FORMATS: tuple[str, ...] = ("auto", *sorted(_BY_NAME))
+DEFAULT_SAMPLING: Mapping[str, SamplingSettings] = {row.name: row.sampling for row in STUDENT_FORMATS}
+
+
+def get_format(name: str) -> StudentFormat:
+    """The row called ``name``; ``ValueError`` naming the accepted values otherwise."""
+    if name not in _BY_NAME:
+        raise ValueError(f"`format` must be one of {FORMATS}, got {name!r}.")
+    return _BY_NAME[name]

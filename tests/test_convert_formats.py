@@ -1,0 +1,376 @@
+"""Every row of the format table: the container written as that project saves it, converted with ``--format NAME``
+and ``--format auto``, every weight checked bit for bit; LoRA merging; the 40-layer (14B) key layout; the settings."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_convert import _student, fastgen_state_dict, original_state_dict, tiny_wan, wan_base  # noqa: F401
+
+from fastgen_diffusers.convert import STUDENT_FORMATS, convert_checkpoint, detect_format, get_format, warp_timesteps
+from fastgen_diffusers.convert.formats import CheckpointFacts
+
+SF = warp_timesteps([1000, 750, 500, 250], 5.0)
+
+
+def fsdp_wrapped(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """EMA keys as FSDP saves them: the model wrapped, every block wrapped again (with activation checkpointing)."""
+    wrapped = {}
+    for key, value in state_dict.items():
+        key = key.replace("model.", "model._fsdp_wrapped_module.", 1)
+        key = re.sub(r"(blocks\.\d+\.)", r"\1_fsdp_wrapped_module._checkpoint_wrapped_module.", key)
+        wrapped[key] = value
+    return wrapped
+
+
+def unprefixed(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key.removeprefix("model."): value for key, value in state_dict.items()}
+
+
+REGULAR, EMA = _student(seed=31), _student(seed=32)
+
+
+def _self_forcing_family(path: str, wrap_ema: bool = True):
+    ema = original_state_dict(EMA)
+    return path, {"generator": original_state_dict(REGULAR), "generator_ema": fsdp_wrapped(ema) if wrap_ema else ema}
+
+
+# name -> (release path, container as the project saves it, copy the project's loader takes, format auto finds)
+CONTAINERS = {
+    "self-forcing": (*_self_forcing_family("checkpoints/self_forcing_dmd.pt", wrap_ema=False), EMA, "self-forcing"),
+    "causvid": ("causvid/model.pt", {"generator": original_state_dict(REGULAR)}, REGULAR, "self-forcing"),
+    "fastgen": (
+        "checkpoints/0004000.pth",
+        {"model": {"net": fastgen_state_dict(REGULAR), "ema": fastgen_state_dict(EMA)}, "iteration": 4000},
+        EMA,
+        "fastgen",
+    ),
+    "causal-forcing": (*_self_forcing_family("chunkwise/causal_forcing.pt"), EMA, "causal-forcing"),
+    "causal-forcing-framewise": (
+        *_self_forcing_family("framewise/causal_forcing.pt"),
+        EMA,
+        "causal-forcing-framewise",
+    ),
+    "causal-forcing-1step": (
+        *_self_forcing_family("causal-forcing++/framewise-1step.pt"),
+        EMA,
+        "causal-forcing-1step",
+    ),
+    "causal-forcing-2step": (
+        *_self_forcing_family("causal-forcing++/framewise-2step.pt"),
+        EMA,
+        "causal-forcing-2step",
+    ),
+    "rolling-forcing": (*_self_forcing_family("checkpoints/rolling_forcing_dmd.pt"), EMA, "rolling-forcing"),
+    "reward-forcing": ("checkpoints/rewardforcing.pt", original_state_dict(EMA), EMA, "reward-forcing"),
+    # LongLive's inference config has use_ema: false, so its loader takes `generator`.
+    "longlive": (*_self_forcing_family("longlive_models/longlive_base.pt"), REGULAR, "longlive"),
+    # LongLive 2.0 (main) saves its merged bf16 generator as {"model": ...}.
+    "longlive-2": ("longlive2/model_bf16.pt", {"model": original_state_dict(REGULAR)}, REGULAR, "longlive-2"),
+    "krea": ("checkpoints/krea-realtime-video-14b.safetensors", original_state_dict(EMA), EMA, "krea"),
+    # StreamDiffusionV2 may drop the `model.` prefix; its loader takes `generator` first.
+    "streamdiffusionv2": (
+        "ckpts/model.pt",
+        {"generator": unprefixed(original_state_dict(REGULAR)), "generator_ema": unprefixed(original_state_dict(EMA))},
+        REGULAR,
+        "streamdiffusionv2",
+    ),
+}
+
+# The settings each project samples with, read from its inference config (see formats.py for the files).
+EXPECTED = {
+    "self-forcing": {"timesteps": SF, "shift": 5.0, "chunk_size": 3},
+    "causvid": {"timesteps": (1000.0, 757.0, 522.0), "shift": 8.0, "chunk_size": 3},
+    "fastgen": {"timesteps": (999.0, 937.0, 833.0, 624.0), "shift": 5.0},
+    "causal-forcing": {"timesteps": SF, "chunk_size": 3, "first_chunk_timesteps": None},
+    "causal-forcing-framewise": {"timesteps": SF, "chunk_size": 1},
+    "causal-forcing-1step": {"timesteps": (1000.0,), "chunk_size": 1, "first_chunk_timesteps": SF},
+    "causal-forcing-2step": {"timesteps": (1000.0, 2500 / 3), "chunk_size": 1, "first_chunk_timesteps": SF},
+    "rolling-forcing": {"timesteps": warp_timesteps([1000, 800, 600, 400, 200], 5.0), "chunk_size": 3},
+    "reward-forcing": {"timesteps": SF, "attention_window": 9, "sink_frames": 3},
+    "longlive": {"timesteps": SF, "attention_window": 12, "sink_frames": 3, "chunk_size": 3},
+    "longlive-2": {
+        "timesteps": (1000.0, 937.0, 833.0, 625.0),
+        "chunk_size": 8,
+        "attention_window": 32,
+        "sink_frames": 8,
+    },
+    "krea": {
+        "timesteps": (1000.0, 937.0, 833.0, 625.0),
+        "kv_cache_policy": "recompute",
+        "context_frames": 3,
+        "kv_cache_attention_bias": 0.3,
+    },
+    "streamdiffusionv2": {
+        "timesteps": (700.0, 500.0, 400.0, 200.0),
+        "shift": 8.0,
+        "chunk_size": 1,
+        "attention_window": 6,
+        "sink_frames": 3,
+    },
+}
+
+
+def write_release(root: Path, name: str) -> Path:
+    path, container, _, _ = CONTAINERS[name]
+    path = root / "release" / path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".safetensors":
+        save_file({key: value.contiguous() for key, value in container.items()}, str(path))
+    else:
+        torch.save(container, path)
+    return path
+
+
+def converted_weights(output: Path) -> dict[str, torch.Tensor]:
+    weights = {}
+    for shard in sorted((output / "transformer").glob("*.safetensors")):
+        weights.update(load_file(str(shard)))
+    return weights
+
+
+def assert_weights_equal(actual: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    expected = model.state_dict()
+    assert sorted(actual) == sorted(expected)
+    for key, value in expected.items():
+        assert actual[key].dtype == value.dtype and torch.equal(actual[key], value), key
+
+
+def test_the_table_covers_every_released_student():
+    assert {row.name for row in STUDENT_FORMATS} == set(CONTAINERS) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(CONTAINERS))
+def test_release_converts_bit_exactly_with_its_format_and_with_auto(name, wan_base, tmp_path):  # noqa: F811
+    checkpoint = write_release(tmp_path, name)
+    _, _, model, auto_format = CONTAINERS[name]
+    for format in (name, "auto"):
+        output = tmp_path / f"out-{format}"
+        result = convert_checkpoint(
+            checkpoint, base=wan_base, output=output, format=format, base_model_id="org/wan-tiny"
+        )
+        assert result.format == (name if format == name else auto_format), result.description
+        assert_weights_equal(converted_weights(output), model)
+
+        settings = json.loads((output / "sampling.json").read_text())["settings"]
+        for key, value in EXPECTED[result.format].items():
+            stored = tuple(settings[key]) if isinstance(settings[key], list) else settings[key]
+            assert stored == (pytest.approx(value) if isinstance(value, tuple) else value), (key, stored)
+        transformer_config = json.loads((output / "transformer" / "config.json").read_text())
+        assert transformer_config["chunk_size"] == settings["chunk_size"]
+        scheduler_config = json.loads((output / "scheduler" / "scheduler_config.json").read_text())
+        assert scheduler_config["shift"] == settings["shift"] and scheduler_config["stochastic_sampling"]
+        model_index = json.loads((output / "model_index.json").read_text())
+        for key in result.pipeline_settings:  # what `pipe(...)` reads as its defaults
+            if key not in ("chunk_size", "independent_first_frame", "shift"):
+                assert model_index[key] == settings[key], key
+        assert set(result.pending_settings) <= {"kv_cache_policy", "context_frames", "kv_cache_attention_bias"}
+        card = (output / "README.md").read_text()
+        assert get_format(result.format).project in card and f"- {result.format}" in card
+
+
+def test_auto_says_what_it_found_and_why(tmp_path):
+    detected = detect_format(CONTAINERS["rolling-forcing"][1], path="checkpoints/rolling_forcing_dmd.pt")
+    assert detected.description.startswith("Rolling Forcing: a {'generator', 'generator_ema'} checkpoint")
+    assert "FSDP/compile wrapper segments" in detected.description and "file name matches" in detected.description
+    unnamed = detect_format(CONTAINERS["rolling-forcing"][1], path="downloads/student.pt")
+    assert unnamed.format == "self-forcing" and "pass --format to pick another of" in unnamed.description
+    sdv2 = detect_format({"state_dict": unprefixed(original_state_dict(EMA))}, path="x/model.pt")
+    assert sdv2.format == "streamdiffusionv2" and sdv2.select() == "state_dict"
+    longlive2 = detect_format({"model": original_state_dict(EMA)}, "longlive")
+    assert longlive2.select() == "model"
+    # Krea is also recognised by its layout: a flat safetensors file with 40 blocks of width 5120.
+    facts = CheckpointFacts(container="flat", num_layers=40, dim=5120, safetensors=True)
+    assert get_format("krea").detector(facts) is not None
+    assert get_format("krea").detector(CheckpointFacts(container="flat", num_layers=30, dim=1536)) is None
+
+
+def test_forty_layer_checkpoint_has_the_14b_key_layout(tmp_path):
+    """Wan2.1-14B's layout (40 blocks; Krea's file) at tiny width: every original key maps, bit for bit."""
+    from fastgen_diffusers.testing import TINY_TRANSFORMER_CONFIG
+
+    config = {k: v for k, v in TINY_TRANSFORMER_CONFIG.items() if k != "chunk_size"}
+    config.update(num_layers=40, num_attention_heads=1, attention_head_dim=8, ffn_dim=16, freq_dim=16)
+    model = tiny_wan(7, **config)
+    base = tmp_path / "base14b"
+    tiny_wan(8, **config).save_pretrained(base / "transformer")
+    components = {"tokenizer": None, "text_encoder": None, "vae": None}
+    _write_minimal_base(base, components)
+    checkpoint = tmp_path / "checkpoints" / "krea-realtime-video-14b.safetensors"
+    checkpoint.parent.mkdir()
+    weights = original_state_dict(model)
+    assert {f"model.blocks.{i}.self_attn.q.weight" for i in range(40)} <= set(weights)
+    assert {"model.blocks.39.norm3.weight", "model.head.modulation", "model.head.head.weight"} <= set(weights)
+    save_file(weights, str(checkpoint))
+    result = convert_checkpoint(
+        checkpoint, base=base, output=tmp_path / "out", base_model_id="org/w", max_shard_size="40KB"
+    )
+    assert result.format == "krea" and len(result.shards) > 1
+    assert_weights_equal(converted_weights(result.output), model)
+
+
+def _write_minimal_base(base: Path, components: dict) -> None:
+    """A base directory with a VAE and a scheduler but no text encoder (enough to convert and read the weights)."""
+    from fastgen_diffusers.testing import tiny_scheduler, tiny_vae
+
+    tiny_vae().save_pretrained(base / "vae")
+    tiny_scheduler().save_pretrained(base / "scheduler")
+    index = {
+        "_class_name": "WanPipeline",
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        **{name: [None, None] for name in components if name != "vae"},
+    }
+    (base / "model_index.json").write_text(json.dumps(index))
+
+
+# ---------------------------------------------------------------------------------------------------- LoRA (LongLive)
+LORA_RANK, LORA_ALPHA = 4, 8.0  # alpha != rank, so the scale alpha / r is exercised
+LORA_TARGETS = ("self_attn.q", "self_attn.o", "cross_attn.k", "ffn.0", "ffn.2")
+# The same modules in diffusers' names, written out by hand.
+DIFFUSERS_TARGETS = {
+    "attn1.to_q": "self_attn.q",
+    "attn1.to_out.0": "self_attn.o",
+    "attn2.to_k": "cross_attn.k",
+    "ffn.net.0.proj": "ffn.0",
+    "ffn.net.2": "ffn.2",
+}
+
+
+def peft_lora(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A PEFT state dict as LongLive saves it (``generator.model`` wrapped by ``get_peft_model``), original names."""
+    generator = torch.Generator().manual_seed(seed)
+    lora = {}
+    weights = original_state_dict(model, prefix="")
+    for index in range(len(model.blocks)):
+        for target in LORA_TARGETS:
+            out_features, in_features = weights[f"blocks.{index}.{target}.weight"].shape
+            prefix = f"base_model.model.blocks.{index}.{target}"
+            lora[f"{prefix}.lora_A.weight"] = torch.randn(LORA_RANK, in_features, generator=generator)
+            lora[f"{prefix}.lora_B.weight"] = torch.randn(out_features, LORA_RANK, generator=generator) * 0.1
+    return lora
+
+
+@pytest.fixture(scope="module")
+def longlive_release(tmp_path_factory):
+    root = tmp_path_factory.mktemp("longlive")
+    base = write_release(root, "longlive")
+    lora = root / "release" / "longlive_models" / "lora.pt"
+    torch.save({"generator_lora": peft_lora(REGULAR)}, lora)
+    return base, lora
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_lora_merge_is_w_plus_scaled_ba_in_float32(wan_base, longlive_release, tmp_path, dtype):  # noqa: F811
+    base, lora_file = longlive_release
+    result = convert_checkpoint(
+        base, base=wan_base, output=tmp_path / "m", base_model_id="org/w", lora=lora_file, lora_alpha=LORA_ALPHA,
+        dtype=dtype,
+    )  # fmt: skip
+    assert result.lora == "merged"
+    merged = converted_weights(result.output)
+    lora = peft_lora(REGULAR)
+    out = dtype or torch.float32
+    for key, weight in REGULAR.state_dict().items():
+        module = key.split(".", 2)[-1].removesuffix(".weight")
+        if key.startswith("blocks.") and key.endswith(".weight") and module in DIFFUSERS_TARGETS:
+            block, target = key.split(".")[1], DIFFUSERS_TARGETS[module]
+            a = lora[f"base_model.model.blocks.{block}.{target}.lora_A.weight"]
+            b = lora[f"base_model.model.blocks.{block}.{target}.lora_B.weight"]
+            expected = (weight.float() + LORA_ALPHA / LORA_RANK * (b.float() @ a.float())).to(out)
+            assert torch.equal(merged[key], expected), key  # float32 arithmetic, then the output dtype
+            if dtype is None:
+                exact = weight.double() + LORA_ALPHA / LORA_RANK * (b.double() @ a.double())
+                assert (merged[key].double() - exact).abs().max() <= 1e-5, key
+        else:
+            assert torch.equal(merged[key], weight.to(out)), key
+
+
+def test_merged_lora_equals_load_lora_weights(wan_base, longlive_release, tmp_path):  # noqa: F811
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    base, lora_file = longlive_release
+    common = {"base": wan_base, "base_model_id": "org/w", "lora": lora_file, "lora_alpha": LORA_ALPHA}
+    merged = convert_checkpoint(base, output=tmp_path / "merged", **common)
+    kept = convert_checkpoint(base, output=tmp_path / "kept", keep_lora=True, **common)
+    assert kept.lora == "kept" and (kept.output / "pytorch_lora_weights.safetensors").is_file()
+    assert_weights_equal(converted_weights(kept.output), REGULAR)  # the base weights stay unmerged
+    card = (kept.output / "README.md").read_text()
+    assert "pipe.load_lora_weights(" in card
+
+    latents = {}
+    for name, result in (("merged", merged), ("kept", kept)):
+        pipe = WanCausalPipeline.from_pretrained(result.output)
+        pipe.set_progress_bar_config(disable=True)
+        if name == "kept":
+            pipe.load_lora_weights(result.output)
+        call = {"height": 16, "width": 16, "num_frames": 9, "max_sequence_length": 8, "output_type": "latent"}
+        latents[name] = pipe("a red fox runs", generator=torch.Generator().manual_seed(0), **call).frames
+    torch.testing.assert_close(latents["kept"], latents["merged"], rtol=1e-4, atol=1e-5)
+
+
+def test_default_lora_alpha_is_the_projects():
+    assert get_format("longlive").lora_alpha == 256.0 and get_format("self-forcing").lora_alpha is None
+
+
+# ------------------------------------------------------------------------- the per-chunk schedule (Causal Forcing++)
+def _pipeline_has(field: str) -> bool:
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    return field in inspect.signature(WanCausalPipeline.__init__).parameters
+
+
+@pytest.mark.skipif(
+    not _pipeline_has("first_chunk_timesteps"),
+    reason="the pipeline's `first_chunk_timesteps` comes from the rollout branch (checked at integration)",
+)
+def test_causal_forcing_plus_plus_denoises_the_first_chunk_with_four_steps(wan_base, tmp_path):  # noqa: F811
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    checkpoint = write_release(tmp_path, "causal-forcing-1step")
+    result = convert_checkpoint(checkpoint, base=wan_base, output=tmp_path / "out", base_model_id="org/w")
+    assert "first_chunk_timesteps" in result.pipeline_settings
+    pipe = WanCausalPipeline.from_pretrained(result.output)
+    pipe.set_progress_bar_config(disable=True)
+    calls = []
+    handle = pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((bool(kwargs.get("store_kv")), kwargs["timestep"])), with_kwargs=True
+    )
+    try:
+        pipe("a red fox runs", height=16, width=16, num_frames=9, max_sequence_length=8, output_type="latent")
+    finally:
+        handle.remove()
+    steps_per_chunk, steps = [], []
+    for store, timestep in calls:
+        if store:
+            steps_per_chunk.append(steps)
+            steps = []
+        else:
+            steps.append(float(timestep.flatten()[0]))
+    if steps:
+        steps_per_chunk.append(steps)
+    # 9 frames = 3 latent frames = 3 frame-wise chunks: 4 steps, then 1 step each.
+    assert [len(s) for s in steps_per_chunk] == [4, 1, 1]
+    assert steps_per_chunk[0] == pytest.approx(list(SF), abs=1e-3) and steps_per_chunk[1] == [1000.0]
+
+
+def test_a_lora_that_does_not_fit_is_refused_before_any_work(wan_base, longlive_release, tmp_path):  # noqa: F811
+    from fastgen_diffusers.convert import CheckpointConversionError
+
+    base, _ = longlive_release
+    lora = peft_lora(REGULAR)
+    key = next(k for k in lora if k.endswith("lora_B.weight"))
+    lora[key] = torch.zeros(lora[key].shape[0] + 1, LORA_RANK)
+    torch.save(lora, tmp_path / "lora.pt")
+    with pytest.raises(CheckpointConversionError, match="LoRA shapes do not fit"):
+        convert_checkpoint(
+            base, base=wan_base, output=tmp_path / "o", base_model_id="org/w", lora=tmp_path / "lora.pt"
+        )
+    assert not (tmp_path / "o").exists()
