@@ -47,6 +47,22 @@ class StaticSelfEntry:
     written: tuple[int, int, int] | None = None
 
 
+@dataclass(eq=False)
+class StaticCall:
+    """Where one call's K/V go in the fixed buffers and which slots it attends to (see
+    :meth:`StaticKVCacheEngine.static_call`).
+
+    Attributes:
+        write_index: ``(F*S,)`` int64 buffer token index of every token of the call, in frame order.
+        key_mask: ``(1, 1, 1, capacity * S)`` bool, True for the slots the call attends to.
+        valid_tokens: the number of those slots; they are the buffer's first ones.
+    """
+
+    write_index: torch.Tensor
+    key_mask: torch.Tensor
+    valid_tokens: int
+
+
 class StaticKVCacheEngine(BaseKVCacheEngine):
     """Preallocated, in-place KV cache with the contract and numbers of the vanilla engine.
 
@@ -67,6 +83,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         if max_frames is not None and max_frames < 1:
             raise ValueError(f"`max_frames` must be None or a positive int, got {max_frames}.")
         self.max_frames = max_frames
+        self._last_static_call: tuple[tuple, StaticCall] | None = None
 
     # ------------------------------------------------------------------ capacity
     def _capacity_for(self, frames: int) -> int:
@@ -213,6 +230,53 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
                 keys.append(entry.key[:, tokens])
                 values.append(entry.value[:, tokens])
         return keys, values
+
+    # ------------------------------------------------------------------ fixed-shape attention (compiled rollouts)
+    def static_call(
+        self, cache_tag: str, start_frame: int, num_frames: int, first_chunk_frames: int
+    ) -> StaticCall | None:
+        """The fixed-buffer plan of a call, shared by every block of the branch; ``None`` for a call it cannot serve
+        (not at the end of the cache, several chunks, or gradients on): that call gathers its prefix instead.
+
+        The call's K/V are written at :attr:`StaticCall.write_index` into :meth:`static_buffers` (by the attention
+        processor) and attention reads the buffers' valid slots. Slots that hold frames the open transaction must be
+        able to restore are kept first, as :meth:`_write` does. Built once per chunk (every step of a chunk and its
+        store share it).
+        """
+        state = self._tags.get(cache_tag)
+        if state is None or start_frame != state.num_frames or first_chunk_frames != num_frames:
+            return None
+        if torch.is_grad_enabled():
+            return None
+        seqlen = state.frame_seqlen
+        end_frame = start_frame + num_frames
+        runs = self._slot_runs(start_frame, end_frame)
+        for per_tag in self._self_kv:
+            entry: StaticSelfEntry = per_tag[cache_tag]
+            entry.written = None
+            for _, slot, count in runs:
+                self._keep_for_undo(entry, slot, slot + count, seqlen)
+        capacity = self._self_kv[0][cache_tag].key.shape[1] if self._self_kv else 0
+        key = (start_frame, num_frames, seqlen, capacity, state.device)
+        if self._last_static_call is not None and self._last_static_call[0] == key:
+            return self._last_static_call[1]
+        write_index = torch.cat(
+            [torch.arange(slot * seqlen, (slot + count) * seqlen, device=state.device) for _, slot, count in runs]
+        )
+        valid_tokens = self.window.slots(end_frame) * seqlen
+        key_mask = (torch.arange(capacity, device=state.device) < valid_tokens).view(1, 1, 1, capacity)
+        call = StaticCall(write_index, key_mask, valid_tokens)
+        self._last_static_call = (key, call)
+        return call
+
+    def static_buffers(self, block_idx: int, cache_tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed-size K/V buffers ``(B, capacity * S, H, D)`` of one block and tag."""
+        entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
+        return entry.key, entry.value
+
+    def commit_static_store(self, cache_tag: str, start_frame: int, num_frames: int) -> None:
+        """Record a store whose K/V the attention of a :meth:`static_call` already wrote into their slots."""
+        self._store_window(self._tags[cache_tag], start_frame, start_frame + num_frames)
 
     # ------------------------------------------------------------------ stores and edits
     def append_self_kv(self, block_idx, cache_tag, key, value, start_frame):
