@@ -27,7 +27,7 @@ def causal_block_forward(
         hidden_states: ``(B, F*S, D)`` tokens of this call, frame-major.
         encoder_hidden_states: ``(B, L_ctx, D)`` embedded ``[image | text]`` context.
         temb: ``(B, F, 6, D)`` per-frame timestep projection.
-        rotary_emb: ``(1, F*S, 1, head_dim/2)`` complex rotations of this call's tokens.
+        rotary_emb: ``(1, F*S, 1, head_dim/2, 2)`` rotations of this call's tokens (see ``apply_rotary_emb``).
         causal_context: the block's :class:`BlockAttentionInputs` (decided by the model for this forward), handed
             to both attention processors.
 
@@ -96,7 +96,7 @@ class WanCausalVACETransformerBlock(WanVACETransformerBlock):
             encoder_hidden_states: ``(B, L_ctx, D)`` embedded context.
             control_hidden_states: ``(B, F*S, D)`` control stream.
             temb: ``(B, F, 6, D)`` per-frame timestep projection.
-            rotary_emb: ``(1, F*S, 1, head_dim/2)`` complex rotations.
+            rotary_emb: ``(1, F*S, 1, head_dim/2, 2)`` rotations (see ``apply_rotary_emb``).
             causal_context: the block's :class:`BlockAttentionInputs`.
 
         Returns:

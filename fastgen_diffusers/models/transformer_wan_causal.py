@@ -62,7 +62,7 @@ class ForwardCall:
     Attributes:
         ctx: the forward's :class:`CausalContext`.
         attention_inputs: per engine branch, one :class:`BlockAttentionInputs` per block.
-        rotary_emb: ``(1, F*S, 1, head_dim/2)`` complex64 rotations of the call's tokens.
+        rotary_emb: ``(1, F*S, 1, head_dim/2, 2)`` float32 rotations of the call's tokens (complex64 as real pairs).
         frame_timesteps: ``(B, F)`` model-scale timesteps.
         grid: post-patch ``(F, H', W')``.
         embed_context: whether some cross-attention computes K/V (else the context embedding is skipped).
@@ -578,7 +578,8 @@ class CausalWanMixin:
         frame_timesteps = self._frame_timesteps(timestep, batch_size, post_f)
         device = hidden_states.device
         rope_offset = self._rope_offset_for(cache_tag, start_frame, post_f, post_h, post_w)
-        rotary_emb = self.rotary_tables(start_frame - rope_offset, post_f, post_h, post_w, device)
+        # real pairs (a view): compiled code rotates in real arithmetic, eager views them back as complex
+        rotary_emb = torch.view_as_real(self.rotary_tables(start_frame - rope_offset, post_f, post_h, post_w, device))
         image_len = self._image_token_count(encoder_hidden_states_image)
         conditioning = (encoder_hidden_states, encoder_hidden_states_image)
         # The engine operations of this forward are one transaction: a failure anywhere restores every cache.

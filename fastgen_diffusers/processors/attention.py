@@ -105,9 +105,21 @@ def rms_norm_fp32(norm: torch.nn.RMSNorm, hidden_states: torch.Tensor) -> torch.
 def apply_rotary_emb(hidden_states: torch.Tensor, rotary_emb: torch.Tensor) -> torch.Tensor:
     """Rotate the interleaved channel pairs of ``hidden_states`` ``(B, L, H, D)`` by ``rotary_emb``.
 
-    ``rotary_emb`` is ``(1, L, 1, D/2)`` complex64: pair ``(x[2i], x[2i+1])`` is multiplied, as the complex number
-    ``x[2i] + j x[2i+1]``, by element ``i`` (one complex product: the math of diffusers' Wan RoPE, in float32).
+    ``rotary_emb`` is ``(1, L, 1, D/2)`` complex64, or the same as real pairs ``(1, L, 1, D/2, 2)`` float32
+    (``torch.view_as_real``): pair ``(x[2i], x[2i+1])`` is multiplied, as the complex number ``x[2i] + j x[2i+1]``,
+    by element ``i`` (one complex product: the math of diffusers' Wan RoPE, in float32). Eager runs the complex
+    product; under ``torch.compile`` the same product is written in real arithmetic, which inductor fuses (it
+    generates no code for complex operators).
     """
+    if torch.compiler.is_compiling():
+        rotation = rotary_emb if not rotary_emb.is_complex() else torch.view_as_real(rotary_emb)
+        pairs = hidden_states.float().unflatten(-1, (-1, 2))
+        real, imag = pairs[..., 0], pairs[..., 1]
+        cos, sin = rotation[..., 0], rotation[..., 1]
+        rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+        return rotated.flatten(-2).type_as(hidden_states)
+    if not rotary_emb.is_complex():
+        rotary_emb = torch.view_as_complex(rotary_emb)
     pairs = torch.view_as_complex(hidden_states.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotary_emb).flatten(-2).type_as(hidden_states)
 
