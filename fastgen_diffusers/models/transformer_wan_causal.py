@@ -109,6 +109,27 @@ class CausalWanMixin:
         self.kv_cache_engines: dict[str, BaseKVCacheEngine] = {}
         self.set_kv_cache_engines({name: KVCacheEngine() for name in self.kv_cache_branches()})
 
+    # ------------------------------------------------------------------ per-call constants
+    @property
+    def dtype(self) -> torch.dtype:
+        """diffusers' ``ModelMixin.dtype``, memoised: it walks every module (for dtype hooks) and the pipelines ask for
+        it once per forward. Recomputed after any ``.to()`` / ``.half()`` (``_apply``), ``enable_layerwise_casting``,
+        or a change of the first parameter's dtype or device."""
+        weight = self.patch_embedding.weight
+        key = (weight.dtype, weight.device)
+        cached = self.__dict__.get("_memo_dtype")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_memo_dtype"] = (key, super().dtype)
+        return cached[1]
+
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("_memo_dtype", None)
+        return super()._apply(fn, *args, **kwargs)
+
+    def enable_layerwise_casting(self, *args, **kwargs) -> None:
+        self.__dict__.pop("_memo_dtype", None)
+        return super().enable_layerwise_casting(*args, **kwargs)
+
     # ------------------------------------------------------------------ engines and processors
     def set_kv_cache_engines(self, engines: Mapping[str, BaseKVCacheEngine]) -> None:
         """Attach engines by branch name and register the attention modules each one owns (caches start empty)."""

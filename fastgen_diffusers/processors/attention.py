@@ -35,8 +35,9 @@ class SelfAttentionInputs:
     * ``static=True`` (static engine, a call at the end of its cache, no gradients): ``key_cache``/``value_cache``
       are the engine's fixed-size buffers ``(B, C, H, D)``. The call's K/V are written in place at ``write_index``
       ``(L,)`` (their slots); attention then runs over the buffer. Eager, over its first ``valid_tokens`` tokens (a
-      view, nothing masked); under ``torch.compile``, over the whole buffer with ``key_mask`` ``(1, 1, 1, C)`` (True =
-      a valid key), so every chunk of a rollout and of a windowed stream has the same shapes.
+      view, nothing masked); under ``torch.compile``, over the whole buffer with the additive ``key_mask``
+      ``(1, 1, 1, C)`` (0 for a valid key, ``-inf`` otherwise), so every chunk of a rollout and of a windowed stream
+      has the same shapes.
     * ``static=False``: ``key_cache``/``value_cache`` are the visible cached prefix ``(B, P, H, D)`` in frame order
       (``None``: nothing visible); attention runs over ``[prefix | call]`` under ``mask`` (a block-causal mask for a
       multi-chunk call, else ``None``). With ``store=True`` the call's K/V are handed back in ``new_key``/``new_value``
@@ -136,7 +137,8 @@ def _compiled_flex_attention():
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> torch.Tensor:
     """Attention of ``(B, Lq, H, D)`` queries over ``(B, Lk, H, D)`` keys under a block-causal mask.
 
-    ``mask`` is a boolean ``(1, 1, Lq or 1, Lk)`` tensor (SDPA; True = attend) or a FlexAttention ``BlockMask``. The masked path never
+    ``mask`` is a ``(1, 1, Lq or 1, Lk)`` tensor (SDPA: boolean, True = attend, or additive) or a FlexAttention
+    ``BlockMask``. The masked path never
     goes through a backend that could drop the mask.
     """
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
