@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .kv_cache import BaseKVCacheEngine, CrossKVMode
-from .kv_cache.masks import MASK_BACKENDS, BlockMaskMemo  # noqa: F401  (MASK_BACKENDS: re-exported)
+from .kv_cache.masks import BlockMaskMemo
 
 
 @dataclass

@@ -4,6 +4,8 @@ that fails midway is rolled back exactly (evictions included), and cross K/V reu
 from __future__ import annotations
 
 import copy
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from conftest import make_causal_transformer
 from fastgen_diffusers import make_engines
 
 T = torch.full((1,), 500.0)
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cache_overhead.py"
 
 
 def frames(count: int, seed: int) -> torch.Tensor:
@@ -100,6 +103,29 @@ def test_a_windowed_call_that_fails_midway_restores_the_window_exactly(kind, sto
     assert torch.equal(model(frames(4, 4), T, prompt, start_frame=4, store_kv=True, return_dict=False)[0], expected)
 
 
+@pytest.mark.parametrize("kind", ["static", "vanilla"])
+@torch.no_grad()
+def test_a_failed_call_with_another_prompt_length_keeps_the_filled_cross_kv(kind):
+    # A prompt of another length re-sizes the tag's cross entries before the blocks run; the failure undoes it.
+    model = make_causal_transformer(chunk_size=2, num_layers=2)
+    model.set_kv_cache_engines(make_engines(model, kind))
+    prompt = text()
+    model(frames(2, 0), T, prompt, store_kv=True)
+    before = model_state(model)
+    expected = copy.deepcopy(model)(frames(2, 2), T, prompt, start_frame=2, return_dict=False)[0]
+    handle = fail_in_block(model, 1)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            model(frames(2, 2), T, text(tokens=6), start_frame=2, store_kv=True)
+    finally:
+        handle.remove()
+    assert_same_state(before, model_state(model))
+    assert (
+        model.kv_cache_engines["main"].cross_mode("pos", (prompt, None), store_kv=False, grad_enabled=False) == "read"
+    )
+    assert torch.equal(model(frames(2, 2), T, prompt, start_frame=2, return_dict=False)[0], expected)
+
+
 def in_place_edits():
     def through_data(tensor, new):
         tensor.data.copy_(new)
@@ -128,3 +154,12 @@ def test_cross_kv_reuse_is_decided_by_content(edit):
     assert torch.equal(got, reference(frames(2, 2), T, other, start_frame=2, return_dict=False)[0])
     stale = reference(frames(2, 2), T, text(7), start_frame=2, return_dict=False)[0]
     assert (got - stale).abs().max() > 1e-3
+
+
+def test_the_overhead_benchmark_runs(capsys):
+    spec = importlib.util.spec_from_file_location("bench_cache_overhead", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--reps", "1"])
+    printed = capsys.readouterr().out
+    assert "content key" in printed and "(ratio 0.333)" in printed  # a chunk of 3 frames of a 9-frame window

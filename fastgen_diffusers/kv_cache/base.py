@@ -3,15 +3,15 @@
 An engine serves one branch of attention modules (``"main"``: ``transformer.blocks``, ``"vace"``:
 ``transformer.vace_blocks``) and is made of small parts, each in its own module:
 
-=====================  ==========================================  ==============================================
-part                   module                                      holds
-=====================  ==========================================  ==============================================
-``window``             :mod:`~fastgen_diffusers.kv_cache.window`   the window/sink rule (:class:`AttentionWindow`)
-``_tags``              :mod:`~fastgen_diffusers.kv_cache.tags`     per tag: layout, stored chunks, window position
-``_self_kv``           (the engine subclass)                       ``[block_idx][cache_tag]``: self-attention K/V
-``cross``              :mod:`~fastgen_diffusers.kv_cache.cross`    ``[block_idx][cache_tag]`` cross K/V + their source
-``blocks``             :mod:`~fastgen_diffusers.kv_cache.registry` ``id(attn_module) -> block index``
-=====================  ==========================================  ==============================================
+============  ===========================================  ===================================================
+part          module                                       holds
+============  ===========================================  ===================================================
+``window``    :mod:`~fastgen_diffusers.kv_cache.window`    the window/sink rule (:class:`AttentionWindow`)
+``_tags``     :mod:`~fastgen_diffusers.kv_cache.tags`      per tag: layout, stored chunks, window position
+``_self_kv``  (the engine subclass)                        ``[block_idx][cache_tag]``: self-attention K/V
+``cross``     :mod:`~fastgen_diffusers.kv_cache.cross`     ``[block_idx][cache_tag]`` cross K/V + their source
+``blocks``    :mod:`~fastgen_diffusers.kv_cache.registry`  ``id(attn_module) -> block index``
+============  ===========================================  ===================================================
 
 Block-causal masks are memoised by the model (:mod:`~fastgen_diffusers.kv_cache.masks`), byte formulas live in
 :mod:`~fastgen_diffusers.kv_cache.accounting`.

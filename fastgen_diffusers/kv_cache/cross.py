@@ -44,8 +44,8 @@ class CrossKVEntry:
 class ConditioningKey:
     """The content of the conditioning tensors one cross K/V entry was computed from (a private copy of each).
 
-    :meth:`matches` compares values exactly (``torch.equal``: one read of each tensor, and on an accelerator one
-    synchronisation per call), so an in-place change that bypasses the version counter is seen.
+    :meth:`matches` compares the bits exactly (``torch.equal`` of integer views: one read of each tensor, and on an
+    accelerator one synchronisation per call), so an in-place change that bypasses the version counter is seen.
     """
 
     def __init__(self, *tensors: torch.Tensor | None):
@@ -61,9 +61,20 @@ class ConditioningKey:
                 continue
             if tensor.shape != copy.shape or tensor.dtype != copy.dtype or tensor.device != copy.device:
                 return False
-            if not torch.equal(tensor.detach(), copy):
+            if not torch.equal(_bits(tensor.detach()), _bits(copy)):
                 return False
         return True
+
+
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` viewed as integers of its element size: bitwise equality (a NaN equals itself, and integer
+    comparison is faster than floating-point comparison on CPU)."""
+    if tensor.is_complex() or tensor.dtype == torch.bool:
+        return tensor
+    return tensor.view(_SAME_SIZE_INTS[tensor.element_size()])
 
 
 class CrossKVCache:

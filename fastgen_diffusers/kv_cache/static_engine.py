@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .accounting import expected_self_cache_bytes
+from .accounting import expected_self_cache_bytes, tensor_bytes
 from .base import BaseKVCacheEngine
 from .tags import TagState
 
@@ -62,6 +62,25 @@ class StaticCall:
     write_index: torch.Tensor
     key_mask: torch.Tensor
     valid_tokens: int
+
+
+@dataclass
+class SlotCopy:
+    """Tokens ``tokens`` of two buffers as they were before an in-place write; calling it writes them back."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    tokens: slice
+    kept_key: torch.Tensor
+    kept_value: torch.Tensor
+
+    def __call__(self) -> None:
+        self.key[:, self.tokens] = self.kept_key
+        self.value[:, self.tokens] = self.kept_value
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes((self.kept_key, self.kept_value))
 
 
 class StaticKVCacheEngine(BaseKVCacheEngine):
@@ -192,13 +211,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
                 continue
             tokens = slice(first * seqlen, last * seqlen)
             key, value = entry.key, entry.value
-            kept_key, kept_value = key[:, tokens].clone(), value[:, tokens].clone()
-
-            def undo(key=key, value=value, tokens=tokens, kept_key=kept_key, kept_value=kept_value) -> None:
-                key[:, tokens] = kept_key
-                value[:, tokens] = kept_value
-
-            transaction.undo.append(undo)
+            transaction.undo.append(SlotCopy(key, value, tokens, key[:, tokens].clone(), value[:, tokens].clone()))
             remaining += [r for r in ((low, first), (last, high)) if r[0] < r[1]]
         transaction.extra["unsaved"][id(entry)] = remaining
 
