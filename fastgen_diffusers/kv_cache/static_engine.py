@@ -36,6 +36,17 @@ from .base import BaseKVCacheEngine
 from .tags import TagState
 
 
+def _static_address(buffer: torch.Tensor) -> torch.Tensor:
+    """Tell CUDA graph trees (``torch.compile(mode="reduce-overhead")``) that ``buffer`` keeps its address, so that the
+    compiled attention's in-place writes into it are captured instead of disabling the graph. Unguarded: one graph
+    serves the buffers of every block. No effect in eager."""
+    if buffer.is_cuda:
+        import torch._dynamo
+
+        torch._dynamo.mark_static_address(buffer, guard=False)
+    return buffer
+
+
 @dataclass
 class StaticSelfEntry:
     """Self-attention K/V buffers of one block and tag, each ``(B, capacity * S, H, D)`` (``S`` tokens per frame)."""
@@ -114,8 +125,8 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         slots = self._capacity_for(max_frames or 1) * state.frame_seqlen
         shape = (state.batch_size, slots, state.num_heads, state.head_dim)
         return StaticSelfEntry(
-            torch.zeros(shape, dtype=state.dtype, device=state.device),
-            torch.zeros(shape, dtype=state.dtype, device=state.device),
+            _static_address(torch.zeros(shape, dtype=state.dtype, device=state.device)),
+            _static_address(torch.zeros(shape, dtype=state.dtype, device=state.device)),
         )
 
     def _reserve(self, state: TagState, cache_tag: str, max_frames: int | None) -> None:
@@ -135,7 +146,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
     def _grow(buffer: torch.Tensor, slots: int) -> torch.Tensor:
         grown = buffer.new_zeros((buffer.shape[0], slots, *buffer.shape[2:]))
         grown[:, : buffer.shape[1]] = buffer
-        return grown
+        return _static_address(grown)
 
     # ------------------------------------------------------------------ slots
     def _slot_runs(self, first: int, last: int) -> list[tuple[int, int, int]]:

@@ -508,7 +508,8 @@ class CausalWanMixin:
                 engine.commit_store(ctx.cache_tag, ctx.start_frame, ctx.num_frames, ctx.chunk_layout)
             if ctx.cross_mode(engine) is CrossKVMode.FILL:
                 for block_idx, inputs in enumerate(per_block):
-                    kept = [None if t is None else t.contiguous() for t in inputs.cross_attn.filled]
+                    # a copy: under CUDA graphs the filled K/V are graph outputs that a later replay may overwrite
+                    kept = [None if t is None else t.clone() for t in inputs.cross_attn.filled]
                     engine.set_cross_kv(block_idx, ctx.cache_tag, *kept)
                     inputs.cross_attn.filled = None
                 engine.mark_cross_filled(ctx.cache_tag, source)
