@@ -131,3 +131,81 @@ def test_torch_compile_of_the_whole_transformer_matches_eager_without_recompiles
     assert (compiled - eager).abs().max() <= 1e-5
     assert graphs[2] == graphs[-1]  # nothing new after the third chunk (vanilla: the prefix length turns dynamic)
     assert graphs[-1] <= 6
+
+
+def tiny_t2v():
+    from fastgen_diffusers.testing import tiny_pipeline
+
+    return tiny_pipeline()
+
+
+def tiny_i2v():
+    from test_pipeline_i2v import make_pipeline
+
+    return make_pipeline("wan2.1-i2v")
+
+
+def tiny_vace():
+    from fastgen_diffusers.testing import tiny_vace_pipeline
+
+    return tiny_vace_pipeline()
+
+
+def random_frames(count: int, size: int):
+    import numpy as np
+    import PIL.Image
+
+    rng = np.random.default_rng(0)
+    return [PIL.Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(count)]
+
+
+T2V = {"height": 32, "width": 32, "num_frames": 41, "num_inference_steps": 2, "output_type": "latent"}
+PIPELINE_CASES = {
+    "t2v-cfg-prompt-switch": (tiny_t2v, {**T2V, "prompt": {0: "a cat", 20: "a dog"}, "guidance_scale": 2.0}),
+    "t2v-cfg-switch-window": (
+        tiny_t2v,
+        {**T2V, "prompt": {0: "a cat", 20: "a dog"}, "guidance_scale": 2.0, "attention_window": 6, "sink_frames": 1},
+    ),
+    "t2v-window": (tiny_t2v, {**T2V, "prompt": "a cat", "num_frames": 61, "attention_window": 6, "sink_frames": 1}),
+    "t2v-stream": (tiny_t2v, {**T2V, "prompt": "a cat"}),
+    "i2v": (tiny_i2v, {**T2V, "num_frames": 13, "prompt": "a cat", "max_sequence_length": 16}),
+    "vace": (tiny_vace, {**T2V, "height": 16, "width": 16, "num_frames": 29, "prompt": "a cat"}),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "how"),
+    [(case, "blocks") for case in sorted(PIPELINE_CASES) if case != "t2v-cfg-switch-window"]
+    + [("t2v-cfg-switch-window", "whole")],  # tracing the whole forward is slow: one case gathers CFG, switch, window
+)
+def test_compiled_pipelines_match_eager(case, how):
+    """T2V (CFG, prompt switch, window, stream), I2V and VACE under ``compile_repeated_blocks(fullgraph=True)`` and
+    ``torch.compile(transformer)``: the eager latents, no graph break inside a block, nothing recompiled on a second
+    call. Dynamo only (``backend="eager"``): inductor is covered by the rollout test above."""
+    make, kwargs = PIPELINE_CASES[case]
+    pipe = make()
+    pipe.set_progress_bar_config(disable=True)
+    if case == "i2v":
+        kwargs = {**kwargs, "image": random_frames(1, 32)[0]}
+    if case == "vace":
+        kwargs = {**kwargs, "video": random_frames(29, 16)}
+
+    def run():
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            if case == "t2v-stream":
+                return torch.cat([chunk.latents for chunk in pipe.stream(**kwargs, generator=generator)], dim=2)
+            return pipe(**kwargs, generator=generator).frames
+
+    eager = run()
+    if how == "blocks":
+        pipe.transformer.compile_repeated_blocks(fullgraph=True, backend="eager")
+    else:
+        pipe.transformer = torch.compile(pipe.transformer, backend="eager")
+    compiled = run()
+    graphs = graph_count()
+    again = run()
+    assert (compiled - eager).abs().max() <= 1e-4 and (again - eager).abs().max() <= 1e-4
+    assert graph_count() == graphs and not counters["recompiles"]
+    breaks = [reason for reason in counters["graph_break"] if "torch.compiler.disable" not in reason]
+    assert not breaks  # whole model: only the per-call Python (begin / end of a forward) runs outside the graphs
