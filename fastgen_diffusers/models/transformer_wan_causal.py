@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +64,8 @@ class ForwardCall:
         ctx: the forward's :class:`CausalContext`.
         attention_inputs: per engine branch, one :class:`BlockAttentionInputs` per block.
         rotary_emb: ``(1, F*S, 1, head_dim/2, 2)`` float32 rotations of the call's tokens (complex64 as real pairs).
-        frame_timesteps: ``(B, F)`` model-scale timesteps.
+        temb: ``(B, F, D)`` per-frame timestep embedding (the output head's modulation).
+        timestep_proj: ``(B, F, 6, D)`` per-frame block modulation.
         grid: post-patch ``(F, H', W')``.
         embed_context: whether some cross-attention computes K/V (else the context embedding is skipped).
         conditioning: ``(encoder_hidden_states, encoder_hidden_states_image)`` as given.
@@ -72,7 +74,8 @@ class ForwardCall:
     ctx: CausalContext
     attention_inputs: dict[str, list[BlockAttentionInputs]]
     rotary_emb: torch.Tensor
-    frame_timesteps: torch.Tensor
+    temb: torch.Tensor
+    timestep_proj: torch.Tensor
     grid: tuple[int, int, int]
     embed_context: bool
     conditioning: tuple
@@ -296,6 +299,27 @@ class CausalWanMixin:
         if torch.is_autocast_enabled(device.type):
             return torch.get_autocast_dtype(device.type)
         return self.patch_embedding.weight.dtype
+
+    def _timestep_embedding(self, timestep: torch.Tensor, batch_size: int, num_frames: int, dtype: torch.dtype):
+        """:meth:`_embed_timesteps` of ``timestep``, reused by the next call given the same ``timestep`` tensor
+        (the conditional and unconditional forwards of a CFG step) when gradients are off.
+
+        The memo holds the last result only, keyed by the tensor itself (identity and in-place version), the frame
+        count, the dtype and the embedder's parameters (identity and version, so an optimizer step or a weight load
+        invalidates it).
+        """
+        frame_timesteps = self._frame_timesteps(timestep, batch_size, num_frames)
+        if torch.is_grad_enabled() or timestep.is_inference():  # inference tensors keep no version counter
+            return self._embed_timesteps(frame_timesteps, dtype)
+        embedder = self.condition_embedder
+        params = (*embedder.time_embedder.parameters(), *embedder.time_proj.parameters())
+        key = (timestep._version, batch_size, num_frames, dtype, tuple((id(p), p._version) for p in params))
+        memo = self.__dict__.get("_memo_timestep")
+        if memo is not None and memo[0]() is timestep and memo[1] == key:
+            return memo[2]
+        embeddings = self._embed_timesteps(frame_timesteps, dtype)
+        self.__dict__["_memo_timestep"] = (weakref.ref(timestep), key, embeddings)
+        return embeddings
 
     def _embed_timesteps(self, frame_timesteps: torch.Tensor, dtype: torch.dtype):
         """Per-frame ``temb`` ``(B, F, D)`` and ``timestep_proj`` ``(B, F, 6, D)`` from a float64 sinusoid."""
@@ -597,8 +621,8 @@ class CausalWanMixin:
             cache_tag=cache_tag,
             store_kv=store_kv,
         )
-        frame_timesteps = self._frame_timesteps(timestep, batch_size, post_f)
         device = hidden_states.device
+        temb, timestep_proj = self._timestep_embedding(timestep, batch_size, post_f, encoder_hidden_states.dtype)
         rope_offset = self._rope_offset_for(cache_tag, start_frame, post_f, post_h, post_w)
         # real pairs (a view): compiled code rotates in real arithmetic, eager views them back as complex
         rotary_emb = torch.view_as_real(self.rotary_tables(start_frame - rope_offset, post_f, post_h, post_w, device))
@@ -630,7 +654,14 @@ class CausalWanMixin:
         # Every engine reads its cached cross K/V: the context embedding would go unused.
         embed_context = not all(mode is CrossKVMode.READ for mode in ctx.cross_modes.values())
         return ForwardCall(
-            ctx, attention_inputs, rotary_emb, frame_timesteps, (post_f, post_h, post_w), embed_context, conditioning
+            ctx,
+            attention_inputs,
+            rotary_emb,
+            temb,
+            timestep_proj,
+            (post_f, post_h, post_w),
+            embed_context,
+            conditioning,
         )
 
     def _compute_forward(
@@ -648,7 +679,7 @@ class CausalWanMixin:
         cp_config = context_parallel_config(self)
         if cp_config is not None:  # Ulysses: this rank's S/P tokens of every frame; RoPE stays whole (processors)
             hidden_states = shard_frames(hidden_states, post_f, cp_config)
-        temb, timestep_proj = self._embed_timesteps(call.frame_timesteps, encoder_hidden_states.dtype)
+        temb, timestep_proj = call.temb, call.timestep_proj
         context = None
         if call.embed_context:
             context = self._embed_context(encoder_hidden_states, encoder_hidden_states_image)
