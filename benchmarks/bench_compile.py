@@ -100,9 +100,9 @@ def main() -> None:
     pipe.set_progress_bar_config(disable=True)
     embeds = torch.randn(1, TEXT_TOKENS, CONFIG["text_dim"], generator=torch.Generator().manual_seed(0)).to(device)
     print(
-        f"config: {CONFIG['num_layers']} layers, {CONFIG['num_attention_heads']}x{CONFIG['attention_head_dim']} heads, "
-        f"ffn {CONFIG['ffn_dim']} | {NUM_FRAMES} frames {HEIGHT}x{WIDTH} = 21 latent frames x 64 tokens, 7 chunks of "
-        f"3, {STEPS} steps + cache pass | {device}, float32, {torch.get_num_threads()} threads | torch "
+        f"config: {CONFIG['num_layers']} layers, {CONFIG['num_attention_heads']}x{CONFIG['attention_head_dim']} "
+        f"heads, ffn {CONFIG['ffn_dim']} | {NUM_FRAMES} frames {HEIGHT}x{WIDTH} = 21 latent frames x 64 tokens, "
+        f"7 chunks of 3, {STEPS} steps + cache pass | {device}, float32, {torch.get_num_threads()} threads | torch "
         f"{torch.__version__}",
         flush=True,
     )
@@ -136,9 +136,7 @@ def main() -> None:
         compiled_transformer = copy.deepcopy(pipe.transformer)
         compiled_transformer.compile_repeated_blocks(fullgraph=True)
         compiled.register_modules(transformer=compiled_transformer)
-        compiled_row(
-            "compile_repeated_blocks", compiled, embeds, engine, args.repeats, eager_seconds, eager_latents
-        )
+        compiled_row("compile_repeated_blocks", compiled, embeds, engine, args.repeats, eager_seconds, eager_latents)
         if args.whole_model and engine == "static":
             compiled.register_modules(transformer=torch.compile(copy.deepcopy(pipe.transformer)))
             compiled_row("torch.compile(model)", compiled, embeds, engine, args.repeats, eager_seconds, eager_latents)

@@ -24,7 +24,9 @@ def test_gpu_scale_benchmark_compiled_rows_run_in_the_tiny_cpu_mode(capsys):
     spec = importlib.util.spec_from_file_location("bench_gpu_scale", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--num-frames", "13", "--compile", "--cuda-graphs"])
+    module.main(
+        ["--tiny", "--device", "cpu", "--dtype", "float32", "--num-frames", "13", "--compile", "--cuda-graphs"]
+    )
     printed = capsys.readouterr().out
     assert "FAILED" not in printed
     for row in ("[compile]", "[cuda graphs]"):

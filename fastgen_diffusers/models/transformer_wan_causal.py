@@ -469,7 +469,11 @@ class CausalWanMixin:
         for name, engine in self.kv_cache_engines.items():
             mode = ctx.cross_mode(engine)
             static_call = getattr(engine, "static_call", None)
-            static = None if static_call is None else static_call(ctx.cache_tag, ctx.start_frame, ctx.num_frames, first_chunk)
+            static = (
+                None
+                if static_call is None
+                else static_call(ctx.cache_tag, ctx.start_frame, ctx.num_frames, first_chunk)
+            )
             mask = None if static is not None else ctx.self_attention_mask(engine, device)
             store = ctx.store_kv and not ctx.committed
             per_block = []
@@ -672,7 +676,7 @@ class CausalWanMixin:
         call: ForwardCall,
         **block_inputs: Any,
     ) -> torch.Tensor:
-        """Patch embedding, timestep and context embeddings, the blocks and the output head: ``(B, C_out, F, H, W)``."""
+        """Patch embedding, context embedding, the blocks and the output head: ``(B, C_out, F, H, W)``."""
         batch_size = hidden_states.shape[0]
         post_f, post_h, post_w = call.grid
         hidden_states = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()  # (B, F*S, D)
@@ -777,7 +781,9 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
         return {"main": self.blocks}
 
     def _forward_blocks(self, hidden_states, context, timestep_proj, rotary_emb, ctx: CausalContext, attention_inputs):
-        return self._run_blocks(self.blocks, hidden_states, context, timestep_proj, rotary_emb, attention_inputs["main"])
+        return self._run_blocks(
+            self.blocks, hidden_states, context, timestep_proj, rotary_emb, attention_inputs["main"]
+        )
 
     # ------------------------------------------------------------------ forward
     @apply_lora_scale("attention_kwargs")
