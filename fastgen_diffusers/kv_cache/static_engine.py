@@ -282,7 +282,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             for _, slot, count in runs:
                 self._keep_for_undo(entry, slot, slot + count, seqlen)
         capacity = self._self_kv[0][cache_tag].key.shape[1] if self._self_kv else 0
-        key = (start_frame, num_frames, seqlen, capacity, state.device)
+        key = (start_frame, num_frames, seqlen, capacity, state.device, state.dtype)
         if self._last_static_call is not None and self._last_static_call[0] == key:
             return self._last_static_call[1]
         write_index = torch.cat(
