@@ -6,7 +6,8 @@ Prints, on a mid-size config (4 layers, 4x32 heads, 16x16 latents = 64 tokens pe
 * single-chunk overhead of the causal model over stock diffusers on the same weights (goal <= 1.05x);
 * the cached last chunk against recomputing the whole prefix (goal >= 5x at 21 frames, growing with frames);
 * time saved per denoising step by cross K/V reuse;
-* cache bytes against the formula 2 x layers x batch x heads x tokens x head_dim x bytes.
+* cache bytes against the formula 2 x layers x batch x heads x tokens x head_dim x bytes;
+* per-call Python the model removed: ``ModelMixin.dtype`` per forward vs memoised, timestep embedding of a CFG pair.
 
 Usage: ``python benchmarks/bench_transformer.py [--frames 21] [--repeats 7] [--device cpu]``.
 """
@@ -20,6 +21,7 @@ import time
 
 import torch
 from diffusers import WanTransformer3DModel
+from diffusers.models.modeling_utils import get_parameter_dtype
 
 from fastgen_diffusers import WanCausalTransformer3DModel, expected_self_cache_bytes
 
@@ -134,6 +136,29 @@ def main() -> None:
         f"self K/V cache after {frames} frames: {measured} B, formula {formula} B, ratio {measured / formula:.3f}; "
         f"cross K/V {engine.cross_cache_bytes('pos')} B"
     )
+
+    # 5. Per-call Python removed from the forward: diffusers' ModelMixin.dtype (a walk over every module, asked by the
+    # pipelines once per forward) against the memoised transformer.dtype, and the timestep embedding that the second
+    # forward of a CFG pair (same timestep tensor) reuses.
+    calls = 200
+    begin = time.perf_counter()
+    for _ in range(calls):
+        get_parameter_dtype(causal)
+    walk_ms = (time.perf_counter() - begin) * 1e3 / calls
+    begin = time.perf_counter()
+    for _ in range(calls):
+        causal.dtype  # noqa: B018
+    memo_ms = (time.perf_counter() - begin) * 1e3 / calls
+    print(f"per-call Python: ModelMixin.dtype {walk_ms * 1e3:.0f} us vs memoised {memo_ms * 1e3:.1f} us per forward "
+          f"({(walk_ms - memo_ms) / cached_ms:.1%} of a cached step at this size)")  # fmt: skip
+
+    def pair(same: bool):  # the two forwards of a CFG step embed the same timestep tensor
+        first = t.clone()
+        causal._timestep_embedding(first, 1, chunk, torch.float32)
+        causal._timestep_embedding(first if same else first.clone(), 1, chunk, torch.float32)
+
+    fresh_ms, reused_ms = paired_median_ms(lambda: pair(False), lambda: pair(True), args.repeats, device)
+    print(f"CFG pair: timestep embeddings {fresh_ms:.3f} ms embedded twice, {reused_ms:.3f} ms with the second reused")
 
 
 if __name__ == "__main__":

@@ -18,3 +18,18 @@ def test_gpu_scale_benchmark_runs_in_its_tiny_cpu_mode(capsys):
     assert printed.count("(ratio 1.000)") == 2
     diff = float(printed.split("flex vs sdpa block mask: max abs diff ")[1].split()[0])
     assert diff <= 1e-5
+
+
+def test_gpu_scale_benchmark_compiled_rows_run_in_the_tiny_cpu_mode(capsys):
+    spec = importlib.util.spec_from_file_location("bench_gpu_scale", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(
+        ["--tiny", "--device", "cpu", "--dtype", "float32", "--num-frames", "13", "--compile", "--cuda-graphs"]
+    )
+    printed = capsys.readouterr().out
+    assert "FAILED" not in printed
+    for row in ("[compile]", "[cuda graphs]"):
+        line = printed.split(row)[1].splitlines()[0]
+        assert "graphs 3, new in the second rollout 0; graph breaks 0" in line
+        assert float(line.split("max abs diff vs eager ")[1].split()[0]) <= 1e-4

@@ -36,6 +36,17 @@ from .base import BaseKVCacheEngine
 from .tags import TagState
 
 
+def _static_address(buffer: torch.Tensor) -> torch.Tensor:
+    """Tell CUDA graph trees (``torch.compile(mode="reduce-overhead")``) that ``buffer`` keeps its address, so that the
+    compiled attention's in-place writes into it are captured instead of disabling the graph. Unguarded: one graph
+    serves the buffers of every block. No effect in eager."""
+    if buffer.is_cuda:
+        import torch._dynamo
+
+        torch._dynamo.mark_static_address(buffer, guard=False)
+    return buffer
+
+
 @dataclass
 class StaticSelfEntry:
     """Self-attention K/V buffers of one block and tag, each ``(B, capacity * S, H, D)`` (``S`` tokens per frame)."""
@@ -45,6 +56,23 @@ class StaticSelfEntry:
     # ``(start_frame, end_frame, key.data_ptr())`` of the call whose K/V the attention fast path just wrote into their
     # slots; the store of that same call then has nothing left to copy. Cleared at every attention call.
     written: tuple[int, int, int] | None = None
+
+
+@dataclass(eq=False)
+class StaticCall:
+    """Where one call's K/V go in the fixed buffers and which slots it attends to (see
+    :meth:`StaticKVCacheEngine.static_call`).
+
+    Attributes:
+        write_index: ``(F*S,)`` int64 buffer token index of every token of the call, in frame order.
+        key_mask: ``(1, 1, 1, capacity * S)`` additive mask in the cache dtype: 0 for the slots the call attends to,
+            ``-inf`` for the others.
+        valid_tokens: the number of those slots; they are the buffer's first ones.
+    """
+
+    write_index: torch.Tensor
+    key_mask: torch.Tensor
+    valid_tokens: int
 
 
 @dataclass
@@ -86,6 +114,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         if max_frames is not None and max_frames < 1:
             raise ValueError(f"`max_frames` must be None or a positive int, got {max_frames}.")
         self.max_frames = max_frames
+        self._last_static_call: tuple[tuple, StaticCall] | None = None
 
     # ------------------------------------------------------------------ capacity
     def _capacity_for(self, frames: int) -> int:
@@ -96,8 +125,8 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         slots = self._capacity_for(max_frames or 1) * state.frame_seqlen
         shape = (state.batch_size, slots, state.num_heads, state.head_dim)
         return StaticSelfEntry(
-            torch.zeros(shape, dtype=state.dtype, device=state.device),
-            torch.zeros(shape, dtype=state.dtype, device=state.device),
+            _static_address(torch.zeros(shape, dtype=state.dtype, device=state.device)),
+            _static_address(torch.zeros(shape, dtype=state.dtype, device=state.device)),
         )
 
     def _reserve(self, state: TagState, cache_tag: str, max_frames: int | None) -> None:
@@ -117,7 +146,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
     def _grow(buffer: torch.Tensor, slots: int) -> torch.Tensor:
         grown = buffer.new_zeros((buffer.shape[0], slots, *buffer.shape[2:]))
         grown[:, : buffer.shape[1]] = buffer
-        return grown
+        return _static_address(grown)
 
     # ------------------------------------------------------------------ slots
     def _slot_runs(self, first: int, last: int) -> list[tuple[int, int, int]]:
@@ -226,6 +255,56 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
                 keys.append(entry.key[:, tokens])
                 values.append(entry.value[:, tokens])
         return keys, values
+
+    # ------------------------------------------------------------------ fixed-shape attention (compiled rollouts)
+    def static_call(
+        self, cache_tag: str, start_frame: int, num_frames: int, first_chunk_frames: int
+    ) -> StaticCall | None:
+        """The fixed-buffer plan of a call, shared by every block of the branch; ``None`` for a call it cannot serve
+        (not at the end of the cache, several chunks, or gradients on): that call gathers its prefix instead.
+
+        The call's K/V are written at :attr:`StaticCall.write_index` into :meth:`static_buffers` (by the attention
+        processor) and attention reads the buffers' valid slots. Slots that hold frames the open transaction must be
+        able to restore are kept first, as :meth:`_write` does. Built once per chunk (every step of a chunk and its
+        store share it).
+        """
+        state = self._tags.get(cache_tag)
+        if state is None or start_frame != state.num_frames or first_chunk_frames != num_frames:
+            return None
+        if torch.is_grad_enabled():
+            return None
+        seqlen = state.frame_seqlen
+        end_frame = start_frame + num_frames
+        runs = self._slot_runs(start_frame, end_frame)
+        for per_tag in self._self_kv:
+            entry: StaticSelfEntry = per_tag[cache_tag]
+            entry.written = None
+            for _, slot, count in runs:
+                self._keep_for_undo(entry, slot, slot + count, seqlen)
+        capacity = self._self_kv[0][cache_tag].key.shape[1] if self._self_kv else 0
+        key = (start_frame, num_frames, seqlen, capacity, state.device, state.dtype)
+        if self._last_static_call is not None and self._last_static_call[0] == key:
+            return self._last_static_call[1]
+        write_index = torch.cat(
+            [torch.arange(slot * seqlen, (slot + count) * seqlen, device=state.device) for _, slot, count in runs]
+        )
+        valid_tokens = self.window.slots(end_frame) * seqlen
+        # additive (0 / -inf) in the compute dtype: under inductor SDPA runs faster with it than with a boolean mask
+        invalid = torch.arange(capacity, device=state.device) >= valid_tokens
+        key_mask = torch.zeros(capacity, dtype=state.dtype, device=state.device).masked_fill(invalid, float("-inf"))
+        key_mask = key_mask.view(1, 1, 1, capacity)
+        call = StaticCall(write_index, key_mask, valid_tokens)
+        self._last_static_call = (key, call)
+        return call
+
+    def static_buffers(self, block_idx: int, cache_tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed-size K/V buffers ``(B, capacity * S, H, D)`` of one block and tag."""
+        entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
+        return entry.key, entry.value
+
+    def commit_static_store(self, cache_tag: str, start_frame: int, num_frames: int) -> None:
+        """Record a store whose K/V the attention of a :meth:`static_call` already wrote into their slots."""
+        self._store_window(self._tags[cache_tag], start_frame, start_frame + num_frames)
 
     # ------------------------------------------------------------------ stores and edits
     def append_self_kv(self, block_idx, cache_tag, key, value, start_frame):

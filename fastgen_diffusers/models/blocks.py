@@ -1,4 +1,8 @@
-"""Causal Wan transformer blocks: per-frame AdaLN modulation and a ``CausalContext`` passed to the processors."""
+"""Causal Wan transformer blocks: per-frame AdaLN modulation and the block's attention inputs passed to the processors.
+
+A block's forward is tensor code only (the model decides the per-call state beforehand), so
+``transformer.compile_repeated_blocks(fullgraph=True)`` compiles it in both the read and the store path.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 from diffusers.models.transformers.transformer_wan_vace import WanVACETransformerBlock
 
-from ..context import CausalContext
+from ..processors.attention import BlockAttentionInputs
 
 
 def causal_block_forward(
@@ -15,7 +19,7 @@ def causal_block_forward(
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
     rotary_emb: torch.Tensor,
-    causal_context: CausalContext,
+    causal_context: BlockAttentionInputs,
 ) -> torch.Tensor:
     """The Wan block body with one modulation per latent frame (the math of diffusers' block, per frame).
 
@@ -23,8 +27,9 @@ def causal_block_forward(
         hidden_states: ``(B, F*S, D)`` tokens of this call, frame-major.
         encoder_hidden_states: ``(B, L_ctx, D)`` embedded ``[image | text]`` context.
         temb: ``(B, F, 6, D)`` per-frame timestep projection.
-        rotary_emb: ``(1, F*S, 1, head_dim/2)`` complex rotations of this call's tokens.
-        causal_context: the forward's :class:`CausalContext`, handed to both attention processors.
+        rotary_emb: ``(1, F*S, 1, head_dim/2, 2)`` rotations of this call's tokens (see ``apply_rotary_emb``).
+        causal_context: the block's :class:`BlockAttentionInputs` (decided by the model for this forward), handed
+            to both attention processors.
 
     Returns:
         ``(B, F*S, D)``.
@@ -67,7 +72,7 @@ class WanCausalTransformerBlock(WanTransformerBlock):
         encoder_hidden_states: torch.Tensor,
         temb: torch.Tensor,
         rotary_emb: torch.Tensor,
-        causal_context: CausalContext,
+        causal_context: BlockAttentionInputs,
     ) -> torch.Tensor:
         return causal_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, causal_context)
 
@@ -82,7 +87,7 @@ class WanCausalVACETransformerBlock(WanVACETransformerBlock):
         control_hidden_states: torch.Tensor,
         temb: torch.Tensor,
         rotary_emb: torch.Tensor,
-        causal_context: CausalContext,
+        causal_context: BlockAttentionInputs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One VACE layer: ``control = proj_in(control) + hidden_states`` (first layer only), then the block body.
 
@@ -91,8 +96,8 @@ class WanCausalVACETransformerBlock(WanVACETransformerBlock):
             encoder_hidden_states: ``(B, L_ctx, D)`` embedded context.
             control_hidden_states: ``(B, F*S, D)`` control stream.
             temb: ``(B, F, 6, D)`` per-frame timestep projection.
-            rotary_emb: ``(1, F*S, 1, head_dim/2)`` complex rotations.
-            causal_context: the forward's :class:`CausalContext`.
+            rotary_emb: ``(1, F*S, 1, head_dim/2, 2)`` rotations (see ``apply_rotary_emb``).
+            causal_context: the block's :class:`BlockAttentionInputs`.
 
         Returns:
             ``(hint, control)``: ``proj_out(control)`` and the control stream for the next layer, both ``(B, F*S, D)``.

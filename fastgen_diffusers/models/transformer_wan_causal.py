@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from ..parallel import (
     shard_frames,
 )
 from ..processors import WanCausalAttnProcessor, WanCausalCrossAttnProcessor, apply_rotary_emb
+from ..processors.attention import BlockAttentionInputs, CrossAttentionInputs, SelfAttentionInputs
 from .blocks import WanCausalTransformerBlock
 from .call_checks import check_transformer_inputs
 from .rope import CausalRotaryTables
@@ -51,6 +54,31 @@ def timestep_sinusoid_fp64(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
     if dim % 2:
         embedding = torch.nn.functional.pad(embedding, (0, 1))
     return embedding
+
+
+@dataclass(eq=False)
+class ForwardCall:
+    """What :meth:`CausalWanMixin._begin_forward` decided for one forward (outside any compiled region).
+
+    Attributes:
+        ctx: the forward's :class:`CausalContext`.
+        attention_inputs: per engine branch, one :class:`BlockAttentionInputs` per block.
+        rotary_emb: ``(1, F*S, 1, head_dim/2, 2)`` float32 rotations of the call's tokens (complex64 as real pairs).
+        temb: ``(B, F, D)`` per-frame timestep embedding (the output head's modulation).
+        timestep_proj: ``(B, F, 6, D)`` per-frame block modulation.
+        grid: post-patch ``(F, H', W')``.
+        embed_context: whether some cross-attention computes K/V (else the context embedding is skipped).
+        conditioning: ``(encoder_hidden_states, encoder_hidden_states_image)`` as given.
+    """
+
+    ctx: CausalContext
+    attention_inputs: dict[str, list[BlockAttentionInputs]]
+    rotary_emb: torch.Tensor
+    temb: torch.Tensor
+    timestep_proj: torch.Tensor
+    grid: tuple[int, int, int]
+    embed_context: bool
+    conditioning: tuple
 
 
 class CausalWanMixin:
@@ -83,6 +111,27 @@ class CausalWanMixin:
         self._install_causal_processors()
         self.kv_cache_engines: dict[str, BaseKVCacheEngine] = {}
         self.set_kv_cache_engines({name: KVCacheEngine() for name in self.kv_cache_branches()})
+
+    # ------------------------------------------------------------------ per-call constants
+    @property
+    def dtype(self) -> torch.dtype:
+        """diffusers' ``ModelMixin.dtype``, memoised: it walks every module (for dtype hooks) and the pipelines ask for
+        it once per forward. Recomputed after any ``.to()`` / ``.half()`` (``_apply``), ``enable_layerwise_casting``,
+        or a change of the first parameter's dtype or device."""
+        weight = self.patch_embedding.weight
+        key = (weight.dtype, weight.device)
+        cached = self.__dict__.get("_memo_dtype")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_memo_dtype"] = (key, super().dtype)
+        return cached[1]
+
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("_memo_dtype", None)
+        return super()._apply(fn, *args, **kwargs)
+
+    def enable_layerwise_casting(self, *args, **kwargs) -> None:
+        self.__dict__.pop("_memo_dtype", None)
+        return super().enable_layerwise_casting(*args, **kwargs)
 
     # ------------------------------------------------------------------ engines and processors
     def set_kv_cache_engines(self, engines: Mapping[str, BaseKVCacheEngine]) -> None:
@@ -251,6 +300,27 @@ class CausalWanMixin:
             return torch.get_autocast_dtype(device.type)
         return self.patch_embedding.weight.dtype
 
+    def _timestep_embedding(self, timestep: torch.Tensor, batch_size: int, num_frames: int, dtype: torch.dtype):
+        """:meth:`_embed_timesteps` of ``timestep``, reused by the next call given the same ``timestep`` tensor
+        (the conditional and unconditional forwards of a CFG step) when gradients are off.
+
+        The memo holds the last result only, keyed by the tensor itself (identity and in-place version), the frame
+        count, the dtype and the embedder's parameters (identity and version, so an optimizer step or a weight load
+        invalidates it).
+        """
+        frame_timesteps = self._frame_timesteps(timestep, batch_size, num_frames)
+        if torch.is_grad_enabled() or timestep.is_inference():  # inference tensors keep no version counter
+            return self._embed_timesteps(frame_timesteps, dtype)
+        embedder = self.condition_embedder
+        params = (*embedder.time_embedder.parameters(), *embedder.time_proj.parameters())
+        key = (timestep._version, batch_size, num_frames, dtype, tuple((id(p), p._version) for p in params))
+        memo = self.__dict__.get("_memo_timestep")
+        if memo is not None and memo[0]() is timestep and memo[1] == key:
+            return memo[2]
+        embeddings = self._embed_timesteps(frame_timesteps, dtype)
+        self.__dict__["_memo_timestep"] = (weakref.ref(timestep), key, embeddings)
+        return embeddings
+
     def _embed_timesteps(self, frame_timesteps: torch.Tensor, dtype: torch.dtype):
         """Per-frame ``temb`` ``(B, F, D)`` and ``timestep_proj`` ``(B, F, 6, D)`` from a float64 sinusoid."""
         embedder = self.condition_embedder
@@ -386,28 +456,90 @@ class CausalWanMixin:
             )
         return num_frames // p_t, post_h, post_w
 
-    def _run_blocks(self, blocks, hidden_states, context, timestep_proj, rotary_emb, ctx: CausalContext):
-        for block in blocks:
+    # ------------------------------------------------------------------ per-block attention inputs
+    def _attention_inputs(self, ctx: CausalContext, device: torch.device) -> dict[str, list[BlockAttentionInputs]]:
+        """Per branch, one :class:`BlockAttentionInputs` per block: what each block's attention reads and writes.
+
+        Decided here, once per forward and outside any compiled region: the cross K/V mode and cached entries, and for
+        self-attention either the static engine's fixed buffers with this call's slots (a call at the end of the cache)
+        or the visible prefix and the block-causal mask. The blocks then run pure tensor code.
+        """
+        first_chunk = ctx.chunk_layout[0]
+        inputs = {}
+        for name, engine in self.kv_cache_engines.items():
+            mode = ctx.cross_mode(engine)
+            static_call = getattr(engine, "static_call", None)
+            static = (
+                None
+                if static_call is None
+                else static_call(ctx.cache_tag, ctx.start_frame, ctx.num_frames, first_chunk)
+            )
+            mask = None if static is not None else ctx.self_attention_mask(engine, device)
+            store = ctx.store_kv and not ctx.committed
+            per_block = []
+            for block_idx in range(engine.num_blocks):
+                if static is not None:
+                    key_cache, value_cache = engine.static_buffers(block_idx, ctx.cache_tag)
+                    self_attn = SelfAttentionInputs(
+                        key_cache,
+                        value_cache,
+                        static=True,
+                        write_index=static.write_index,
+                        key_mask=static.key_mask,
+                        valid_tokens=static.valid_tokens,
+                    )
+                else:
+                    prefix = engine.get_self_prefix(block_idx, ctx.cache_tag, ctx.start_frame, first_chunk)
+                    key_cache, value_cache = (None, None) if prefix is None else prefix
+                    self_attn = SelfAttentionInputs(key_cache, value_cache, mask=mask, store=store)
+                cross_attn = CrossAttentionInputs(mode, ctx.image_context_length)
+                if mode is CrossKVMode.READ:
+                    entry = engine.get_cross_kv(block_idx, ctx.cache_tag)
+                    cross_attn.key, cross_attn.value = entry.key, entry.value
+                    cross_attn.key_img, cross_attn.value_img = entry.key_img, entry.value_img
+                per_block.append(BlockAttentionInputs(self_attn, cross_attn, ctx.num_frames))
+            inputs[name] = per_block
+        return inputs
+
+    def _run_blocks(self, blocks, hidden_states, context, timestep_proj, rotary_emb, block_inputs):
+        """Run ``blocks`` in order, ``blocks[i]`` with ``block_inputs[i]`` (its :class:`BlockAttentionInputs`)."""
+        for block, attention_inputs in zip(blocks, block_inputs):
             if torch.is_grad_enabled() and self.gradient_checkpointing:
                 hidden_states = self._gradient_checkpointing_func(
-                    block, hidden_states, context, timestep_proj, rotary_emb, ctx
+                    block, hidden_states, context, timestep_proj, rotary_emb, attention_inputs
                 )
             else:
-                hidden_states = block(hidden_states, context, timestep_proj, rotary_emb, ctx)
+                hidden_states = block(hidden_states, context, timestep_proj, rotary_emb, attention_inputs)
         return hidden_states
 
-    def _finish_call(self, ctx: CausalContext, conditioning) -> None:
-        """Commit what a ``store_kv`` call wrote (the transaction of a forward that fails is rolled back instead).
+    def _finish_call(self, ctx: CausalContext, conditioning, attention_inputs) -> None:
+        """Store what the blocks handed back and commit the call (a forward that fails is rolled back instead).
 
-        Once committed, the context is marked so that a gradient-checkpointing recompute of its blocks (in backward)
-        writes nothing again.
+        Self K/V of a static call are already in their slots (only the bookkeeping is left); other stores append the
+        K/V each block handed back. Once committed, the context is marked so that a gradient-checkpointing recompute
+        of its blocks (in backward) stores nothing again.
         """
         fills = any(ctx.cross_mode(engine) is CrossKVMode.FILL for engine in self.kv_cache_engines.values())
         source = ConditioningKey(*conditioning) if fills else None  # built before any commit
-        for engine in self.kv_cache_engines.values():
+        for name, engine in self.kv_cache_engines.items():
+            per_block = attention_inputs[name]
             if ctx.store_kv:
+                if per_block and per_block[0].self_attn.static:
+                    engine.commit_static_store(ctx.cache_tag, ctx.start_frame, ctx.num_frames)
+                else:
+                    for block_idx, inputs in enumerate(per_block):
+                        self_attn = inputs.self_attn
+                        engine.append_self_kv(
+                            block_idx, ctx.cache_tag, self_attn.new_key, self_attn.new_value, ctx.start_frame
+                        )
+                        self_attn.new_key = self_attn.new_value = None
                 engine.commit_store(ctx.cache_tag, ctx.start_frame, ctx.num_frames, ctx.chunk_layout)
             if ctx.cross_mode(engine) is CrossKVMode.FILL:
+                for block_idx, inputs in enumerate(per_block):
+                    # a copy: under CUDA graphs the filled K/V are graph outputs that a later replay may overwrite
+                    kept = [None if t is None else t.clone() for t in inputs.cross_attn.filled]
+                    engine.set_cross_kv(block_idx, ctx.cache_tag, *kept)
+                    inputs.cross_attn.filled = None
                 engine.mark_cross_filled(ctx.cache_tag, source)
         ctx.committed = True
 
@@ -443,7 +575,46 @@ class CausalWanMixin:
         return_dict: bool,
         **block_inputs: Any,
     ) -> torch.Tensor | Transformer2DModelOutput:
-        """The forward of a causal model around its block loop; ``block_inputs`` go to ``_forward_blocks``."""
+        """The forward of a causal model around its block loop; ``block_inputs`` go to ``_forward_blocks``.
+
+        Three parts: :meth:`_begin_forward` (checks, engines, per-block attention inputs: Python, never compiled),
+        :meth:`_compute_forward` (tensor code only: what ``torch.compile(transformer)`` captures) and
+        :meth:`_end_forward` (stores and commit, never compiled).
+        """
+        call = self._begin_forward(
+            hidden_states,
+            timestep,
+            encoder_hidden_states,
+            encoder_hidden_states_image,
+            start_frame=start_frame,
+            cache_tag=cache_tag,
+            store_kv=store_kv,
+        )
+        try:
+            output = self._compute_forward(
+                hidden_states, encoder_hidden_states, encoder_hidden_states_image, call, **block_inputs
+            )
+        except BaseException:
+            self._abort_forward(call)
+            raise
+        self._end_forward(call)
+        if not return_dict:
+            return (output,)
+        return Transformer2DModelOutput(sample=output)
+
+    @torch.compiler.disable
+    def _begin_forward(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_image: torch.Tensor | None,
+        *,
+        start_frame: int,
+        cache_tag: str,
+        store_kv: bool,
+    ) -> ForwardCall:
+        """Check the call, open the engines' transaction and decide everything per call (masks, slots, modes, RoPE)."""
         batch_size = hidden_states.shape[0]
         post_f, post_h, post_w = self._check_call(
             hidden_states,
@@ -454,20 +625,14 @@ class CausalWanMixin:
             cache_tag=cache_tag,
             store_kv=store_kv,
         )
-        frame_timesteps = self._frame_timesteps(timestep, batch_size, post_f)
         device = hidden_states.device
-
+        temb, timestep_proj = self._timestep_embedding(timestep, batch_size, post_f, encoder_hidden_states.dtype)
         rope_offset = self._rope_offset_for(cache_tag, start_frame, post_f, post_h, post_w)
-        rotary_emb = self.rotary_tables(start_frame - rope_offset, post_f, post_h, post_w, device)
-        hidden_states = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()  # (B, F*S, D)
-        cp_config = context_parallel_config(self)
-        if cp_config is not None:  # Ulysses: this rank's S/P tokens of every frame; RoPE stays whole (processors)
-            hidden_states = shard_frames(hidden_states, post_f, cp_config)
-        temb, timestep_proj = self._embed_timesteps(frame_timesteps, encoder_hidden_states.dtype)
+        # real pairs (a view): compiled code rotates in real arithmetic, eager views them back as complex
+        rotary_emb = torch.view_as_real(self.rotary_tables(start_frame - rope_offset, post_f, post_h, post_w, device))
         image_len = self._image_token_count(encoder_hidden_states_image)
-
         conditioning = (encoder_hidden_states, encoder_hidden_states_image)
-        # The engine operations of this forward are one transaction: a failure anywhere below restores every cache.
+        # The engine operations of this forward are one transaction: a failure anywhere restores every cache.
         engines = list(self.kv_cache_engines.values())
         for engine in engines:
             engine.begin_transaction(cache_tag)
@@ -485,13 +650,54 @@ class CausalWanMixin:
                 text_len=encoder_hidden_states.shape[1],
                 image_len=image_len,
             )
-            # Every engine reads its cached cross K/V: the context embedding would go unused.
-            reads_all = all(mode is CrossKVMode.READ for mode in ctx.cross_modes.values())
-            context = None if reads_all else self._embed_context(encoder_hidden_states, encoder_hidden_states_image)
-            hidden_states = self._forward_blocks(
-                hidden_states, context, timestep_proj, rotary_emb, ctx, **block_inputs
-            )
-            self._finish_call(ctx, conditioning)
+            attention_inputs = self._attention_inputs(ctx, device)
+        except BaseException:
+            for engine in engines:
+                engine.rollback()
+            raise
+        # Every engine reads its cached cross K/V: the context embedding would go unused.
+        embed_context = not all(mode is CrossKVMode.READ for mode in ctx.cross_modes.values())
+        return ForwardCall(
+            ctx,
+            attention_inputs,
+            rotary_emb,
+            temb,
+            timestep_proj,
+            (post_f, post_h, post_w),
+            embed_context,
+            conditioning,
+        )
+
+    def _compute_forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_image: torch.Tensor | None,
+        call: ForwardCall,
+        **block_inputs: Any,
+    ) -> torch.Tensor:
+        """Patch embedding, context embedding, the blocks and the output head: ``(B, C_out, F, H, W)``."""
+        batch_size = hidden_states.shape[0]
+        post_f, post_h, post_w = call.grid
+        hidden_states = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()  # (B, F*S, D)
+        cp_config = context_parallel_config(self)
+        if cp_config is not None:  # Ulysses: this rank's S/P tokens of every frame; RoPE stays whole (processors)
+            hidden_states = shard_frames(hidden_states, post_f, cp_config)
+        temb, timestep_proj = call.temb, call.timestep_proj
+        context = None
+        if call.embed_context:
+            context = self._embed_context(encoder_hidden_states, encoder_hidden_states_image)
+        hidden_states = self._forward_blocks(
+            hidden_states, context, timestep_proj, call.rotary_emb, call.ctx, call.attention_inputs, **block_inputs
+        )
+        return self._output_head(hidden_states, temb, batch_size, post_f, post_h, post_w)
+
+    @torch.compiler.disable
+    def _end_forward(self, call: ForwardCall) -> None:
+        """Store what the blocks handed back, commit, and close the engines' transaction."""
+        engines = list(self.kv_cache_engines.values())
+        try:
+            self._finish_call(call.ctx, call.conditioning, call.attention_inputs)
         except BaseException:
             for engine in engines:
                 engine.rollback()
@@ -499,10 +705,11 @@ class CausalWanMixin:
         for engine in engines:
             engine.end_transaction()
 
-        output = self._output_head(hidden_states, temb, batch_size, post_f, post_h, post_w)
-        if not return_dict:
-            return (output,)
-        return Transformer2DModelOutput(sample=output)
+    @torch.compiler.disable
+    def _abort_forward(self, call: ForwardCall) -> None:
+        """Roll every engine back to what it held before the forward."""
+        for engine in self.kv_cache_engines.values():
+            engine.rollback()
 
 
 class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
@@ -573,8 +780,10 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
         """The blocks each engine branch owns: ``{"main": self.blocks}``."""
         return {"main": self.blocks}
 
-    def _forward_blocks(self, hidden_states, context, timestep_proj, rotary_emb, ctx: CausalContext):
-        return self._run_blocks(self.blocks, hidden_states, context, timestep_proj, rotary_emb, ctx)
+    def _forward_blocks(self, hidden_states, context, timestep_proj, rotary_emb, ctx: CausalContext, attention_inputs):
+        return self._run_blocks(
+            self.blocks, hidden_states, context, timestep_proj, rotary_emb, attention_inputs["main"]
+        )
 
     # ------------------------------------------------------------------ forward
     @apply_lora_scale("attention_kwargs")

@@ -179,17 +179,17 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
             )
         return scales
 
-    def _vace_hints(self, hidden_states, context, control_hidden_states, timestep_proj, rotary_emb, ctx):
+    def _vace_hints(self, hidden_states, context, control_hidden_states, timestep_proj, rotary_emb, block_inputs):
         """One hint ``(B, F*S, D)`` per VACE layer, from ``control_hidden_states`` ``(B, 96, F, H, W)``."""
         control = self.vace_patch_embedding(control_hidden_states).flatten(2).transpose(1, 2)  # (B, F*S, D)
         hints = []
-        for block in self.vace_blocks:
+        for block, inputs in zip(self.vace_blocks, block_inputs):
             if torch.is_grad_enabled() and self.gradient_checkpointing:
                 hint, control = self._gradient_checkpointing_func(
-                    block, hidden_states, context, control, timestep_proj, rotary_emb, ctx
+                    block, hidden_states, context, control, timestep_proj, rotary_emb, inputs
                 )
             else:
-                hint, control = block(hidden_states, context, control, timestep_proj, rotary_emb, ctx)
+                hint, control = block(hidden_states, context, control, timestep_proj, rotary_emb, inputs)
             hints.append(hint)
         return hints
 
@@ -200,27 +200,38 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
         timestep_proj: torch.Tensor,
         rotary_emb: tuple[torch.Tensor, torch.Tensor],
         ctx: CausalContext,
+        attention_inputs: dict,
         *,
         control_hidden_states: torch.Tensor,
         control_scales: torch.Tensor,
         vace_hint_cache: VACEHintCache | None,
     ) -> torch.Tensor:
         """VACE layers first (or reused hints), then the main blocks with ``hint * scale`` after each VACE layer."""
-        key = (ctx.cache_tag, ctx.start_frame, ctx.num_frames)
         reuse = vace_hint_cache is not None and not ctx.store_kv
+        key = (ctx.cache_tag, ctx.start_frame, ctx.num_frames) if reuse else None
         hints = vace_hint_cache.lookup(key) if reuse else None
         if hints is None:
-            hints = self._vace_hints(hidden_states, context, control_hidden_states, timestep_proj, rotary_emb, ctx)
+            hints = self._vace_hints(
+                hidden_states, context, control_hidden_states, timestep_proj, rotary_emb, attention_inputs["vace"]
+            )
             if reuse:
                 vace_hint_cache.store(key, hints)
+        main_inputs = attention_inputs["main"]
         start = 0
         for layer, hint, scale in zip(sorted(self.config.vace_layers), hints, control_scales):
             hidden_states = self._run_blocks(
-                self.blocks[start : layer + 1], hidden_states, context, timestep_proj, rotary_emb, ctx
+                self.blocks[start : layer + 1],
+                hidden_states,
+                context,
+                timestep_proj,
+                rotary_emb,
+                main_inputs[start : layer + 1],
             )
             hidden_states = hidden_states + hint * scale.to(hint)
             start = layer + 1
-        return self._run_blocks(self.blocks[start:], hidden_states, context, timestep_proj, rotary_emb, ctx)
+        return self._run_blocks(
+            self.blocks[start:], hidden_states, context, timestep_proj, rotary_emb, main_inputs[start:]
+        )
 
     # ------------------------------------------------------------------ forward
     @apply_lora_scale("attention_kwargs")

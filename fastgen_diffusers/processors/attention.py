@@ -1,14 +1,18 @@
 """Causal attention processors for Wan self- and cross-attention.
 
-The processors are stateless and never name a branch: each asks the :class:`CausalContext` of the forward which
-engine registered the module it runs for, and uses that engine's entry for its block and the forward's cache tag.
-The causal blocks pass the context explicitly (``causal_context=...``) because diffusers' Wan blocks forward no
-extra arguments to processors.
+The processors are stateless and never name a branch or an engine: the model decides, once per forward and outside
+any compiled region, what each block's attention reads and writes (:class:`BlockAttentionInputs`: tensors and a few
+flags), and the causal blocks hand it to both processors (``causal_context=...``; diffusers' Wan blocks forward no
+extra arguments to processors). So a block's forward holds no data-pointer or Python-object comparisons, no
+``.item()`` and no cache bookkeeping, and compiles with ``fullgraph=True``; the model does the bookkeeping after the
+blocks have run.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,15 +20,76 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import _get_added_kv_projections, _get_qkv_projections
 from diffusers.utils import logging
 
-from ..context import CausalContext
 from ..kv_cache import CrossKVMode
 from ..parallel import context_parallel_config, heads_to_sequence, sequence_to_heads
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 
 
-def _require_context(causal_context: CausalContext | None, processor: object) -> CausalContext:
-    if causal_context is None:
+@dataclass(eq=False)
+class SelfAttentionInputs:
+    """What one block's self-attention attends to besides this call's K/V, decided before the block runs.
+
+    Two layouts:
+
+    * ``static=True`` (static engine, a call at the end of its cache, no gradients): ``key_cache``/``value_cache``
+      are the engine's fixed-size buffers ``(B, C, H, D)``. The call's K/V are written in place at ``write_index``
+      ``(L,)`` (their slots); attention then runs over the buffer. Eager, over its first ``valid_tokens`` tokens (a
+      view, nothing masked); under ``torch.compile``, over the whole buffer with the additive ``key_mask``
+      ``(1, 1, 1, C)`` (0 for a valid key, ``-inf`` otherwise), so every chunk of a rollout and of a windowed stream
+      has the same shapes.
+    * ``static=False``: ``key_cache``/``value_cache`` are the visible cached prefix ``(B, P, H, D)`` in frame order
+      (``None``: nothing visible); attention runs over ``[prefix | call]`` under ``mask`` (a block-causal mask for a
+      multi-chunk call, else ``None``). With ``store=True`` the call's K/V are handed back in ``new_key``/``new_value``
+      for the model to store once the blocks have run.
+    """
+
+    key_cache: torch.Tensor | None = None
+    value_cache: torch.Tensor | None = None
+    static: bool = False
+    write_index: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+    valid_tokens: int = 0
+    mask: Any = None
+    store: bool = False
+    new_key: torch.Tensor | None = None
+    new_value: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class CrossAttentionInputs:
+    """One block's cross-attention in one forward: the mode and, in :attr:`CrossKVMode.READ`, the cached K/V.
+
+    In :attr:`CrossKVMode.FILL` the processor hands the K/V it computed back in ``filled`` (text K, V, image K, V) for
+    the model to store once the blocks have run.
+    """
+
+    mode: CrossKVMode = CrossKVMode.COMPUTE
+    image_context_length: int = 0
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    key_img: torch.Tensor | None = None
+    value_img: torch.Tensor | None = None
+    filled: tuple | None = None
+
+
+@dataclass(eq=False)
+class BlockAttentionInputs:
+    """Everything one causal block's processors need in one forward (built by the model, outside compiled code).
+
+    Attributes:
+        self_attn: :class:`SelfAttentionInputs` of the block's ``attn1``.
+        cross_attn: :class:`CrossAttentionInputs` of the block's ``attn2``.
+        num_frames: latent frames of the call (the Ulysses exchange splits tokens per frame).
+    """
+
+    self_attn: SelfAttentionInputs
+    cross_attn: CrossAttentionInputs
+    num_frames: int = 1
+
+
+def _require_context(causal_context: BlockAttentionInputs | None, processor: object) -> BlockAttentionInputs:
+    if not isinstance(causal_context, BlockAttentionInputs):
         raise RuntimeError(
             f"{type(processor).__name__} needs a `causal_context`; it runs inside WanCausalTransformer3DModel's "
             "causal blocks, which pass it. Use `set_default_attn_processor()` to go back to stock Wan attention."
@@ -41,9 +106,21 @@ def rms_norm_fp32(norm: torch.nn.RMSNorm, hidden_states: torch.Tensor) -> torch.
 def apply_rotary_emb(hidden_states: torch.Tensor, rotary_emb: torch.Tensor) -> torch.Tensor:
     """Rotate the interleaved channel pairs of ``hidden_states`` ``(B, L, H, D)`` by ``rotary_emb``.
 
-    ``rotary_emb`` is ``(1, L, 1, D/2)`` complex64: pair ``(x[2i], x[2i+1])`` is multiplied, as the complex number
-    ``x[2i] + j x[2i+1]``, by element ``i`` (one complex product: the math of diffusers' Wan RoPE, in float32).
+    ``rotary_emb`` is ``(1, L, 1, D/2)`` complex64, or the same as real pairs ``(1, L, 1, D/2, 2)`` float32
+    (``torch.view_as_real``): pair ``(x[2i], x[2i+1])`` is multiplied, as the complex number ``x[2i] + j x[2i+1]``,
+    by element ``i`` (one complex product: the math of diffusers' Wan RoPE, in float32). Eager runs the complex
+    product; under ``torch.compile`` the same product is written in real arithmetic, which inductor fuses (it
+    generates no code for complex operators).
     """
+    if torch.compiler.is_compiling():
+        rotation = rotary_emb if not rotary_emb.is_complex() else torch.view_as_real(rotary_emb)
+        pairs = hidden_states.float().unflatten(-1, (-1, 2))
+        real, imag = pairs[..., 0], pairs[..., 1]
+        cos, sin = rotation[..., 0], rotation[..., 1]
+        rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+        return rotated.flatten(-2).type_as(hidden_states)
+    if not rotary_emb.is_complex():
+        rotary_emb = torch.view_as_complex(rotary_emb)
     pairs = torch.view_as_complex(hidden_states.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotary_emb).flatten(-2).type_as(hidden_states)
 
@@ -60,18 +137,19 @@ def _compiled_flex_attention():
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> torch.Tensor:
     """Attention of ``(B, Lq, H, D)`` queries over ``(B, Lk, H, D)`` keys under a block-causal mask.
 
-    ``mask`` is a boolean ``(1, 1, Lq, Lk)`` tensor (SDPA) or a FlexAttention ``BlockMask``. The masked path never
+    ``mask`` is a ``(1, 1, Lq or 1, Lk)`` tensor (SDPA: boolean, True = attend, or additive) or a FlexAttention
+    ``BlockMask``. The masked path never
     goes through a backend that could drop the mask.
     """
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
     if isinstance(mask, torch.Tensor):
-        logger.debug("block-causal attention: SDPA with a boolean mask %s", tuple(mask.shape))
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
     else:
         from torch.nn.attention.flex_attention import flex_attention
 
-        flex = _compiled_flex_attention() if query.is_cuda else flex_attention
-        logger.debug("block-causal attention: FlexAttention BlockMask (%s)", "compiled" if query.is_cuda else "eager")
+        # Inside a compiled region flex_attention is compiled with it; eager, CUDA runs a compiled kernel.
+        compiled = query.is_cuda and not torch.compiler.is_compiling()
+        flex = _compiled_flex_attention() if compiled else flex_attention
         out = flex(query, key, value, block_mask=mask)
     return out.transpose(1, 2)
 
@@ -79,8 +157,8 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 class WanCausalAttnProcessor:
     """Causal self-attention: RoPE-rotated K/V of this call attend after the cached prefix of the same branch and tag.
 
-    Inside a call that spans several chunks the attention is block-causal; with ``store_kv`` the call's K/V
-    (after ``norm_k`` and RoPE) are appended to the cache.
+    Inside a call that spans several chunks the attention is block-causal. What the cache holds and where this
+    call's K/V go come from the block's :class:`SelfAttentionInputs` (keys are kept after ``norm_k`` and RoPE).
 
     Under Ulysses context parallelism (``_parallel_config`` set by ``enable_parallelism``) ``hidden_states`` holds this
     rank's tokens of every frame: after the q/k/v projections and norms one all-to-all each turns them into the whole
@@ -99,11 +177,10 @@ class WanCausalAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: torch.Tensor | None = None,
         *,
-        causal_context: CausalContext | None = None,
+        causal_context: BlockAttentionInputs | None = None,
     ) -> torch.Tensor:
-        ctx = _require_context(causal_context, self)
-        engine = ctx.resolve_registered_engine(attn)
-        block_idx = engine.block_index(attn)
+        block_inputs = _require_context(causal_context, self)
+        inputs = block_inputs.self_attn
 
         query, key, value = _get_qkv_projections(attn, hidden_states, None)  # (B, L, H*D)
         query = rms_norm_fp32(attn.norm_q, query).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
@@ -111,35 +188,55 @@ class WanCausalAttnProcessor:
         value = value.unflatten(2, (attn.heads, -1))
         cp_config = context_parallel_config(self)
         if cp_config is not None:  # (B, F*S/P, H, D) -> (B, F*S, H/P, D): the whole call for this rank's heads
-            query, key, value = (sequence_to_heads(t, ctx.num_frames, cp_config) for t in (query, key, value))
+            num_frames = block_inputs.num_frames
+            query, key, value = (sequence_to_heads(t, num_frames, cp_config) for t in (query, key, value))
         query = apply_rotary_emb(query, rotary_emb)
         key = apply_rotary_emb(key, rotary_emb)
 
-        full_key, full_value = engine.self_attention_kv(
-            block_idx, ctx.cache_tag, key, value, ctx.start_frame, first_chunk_frames=ctx.chunk_layout[0]
-        )
-        mask = ctx.self_attention_mask(engine, query.device)
-        if mask is None:
-            hidden_states = dispatch_attention_fn(query, full_key, full_value, backend=self._attention_backend)
+        if inputs.static:
+            hidden_states = self._static_attention(query, key, value, inputs)
         else:
-            hidden_states = masked_attention(query, full_key, full_value, mask)
-        if ctx.store_kv and not ctx.committed:
-            # Contiguous: with fused projections `value` is a view that would keep the whole QKV output alive.
-            key, value = key.detach().contiguous(), value.detach().contiguous()
-            engine.append_self_kv(block_idx, ctx.cache_tag, key, value, ctx.start_frame)
+            full_key, full_value = key, value
+            if inputs.key_cache is not None:
+                full_key = torch.cat([inputs.key_cache, key], dim=1)
+                full_value = torch.cat([inputs.value_cache, value], dim=1)
+            if inputs.mask is None:
+                hidden_states = dispatch_attention_fn(query, full_key, full_value, backend=self._attention_backend)
+            else:
+                hidden_states = masked_attention(query, full_key, full_value, inputs.mask)
+            if inputs.store:
+                # Contiguous: with fused projections `value` is a view that would keep the whole QKV output alive.
+                inputs.new_key, inputs.new_value = key.detach().contiguous(), value.detach().contiguous()
         if cp_config is not None:
-            hidden_states = heads_to_sequence(hidden_states, ctx.num_frames, cp_config)
+            hidden_states = heads_to_sequence(hidden_states, block_inputs.num_frames, cp_config)
 
         hidden_states = hidden_states.flatten(2, 3).type_as(query)
         hidden_states = attn.to_out[0](hidden_states)
         return attn.to_out[1](hidden_states)
+
+    def _static_attention(self, query, key, value, inputs: SelfAttentionInputs) -> torch.Tensor:
+        """Write this call's K/V into their slots of the fixed buffers, then attend to the valid slots.
+
+        Eager: a view of the first ``valid_tokens`` slots (no mask). Compiled: the whole buffer under ``key_mask``, so
+        the graph has one shape for every chunk and allocates nothing (CUDA-graph capturable).
+        """
+        key_cache, value_cache = inputs.key_cache, inputs.value_cache
+        key_cache.index_copy_(1, inputs.write_index, key.to(key_cache.dtype))
+        value_cache.index_copy_(1, inputs.write_index, value.to(value_cache.dtype))
+        if torch.compiler.is_compiling():
+            return masked_attention(query, key_cache, value_cache, inputs.key_mask)
+        valid = inputs.valid_tokens
+        return dispatch_attention_fn(
+            query, key_cache[:, :valid], value_cache[:, :valid], backend=self._attention_backend
+        )
 
 
 class WanCausalCrossAttnProcessor:
     """Cross-attention to the text (and, for Wan2.1 I2V, image) context with cached K/V.
 
     The context is ``[image tokens | text tokens]``; the split comes from the real image token count carried by the
-    context (never from a hard-coded text length). In :attr:`CrossKVMode.READ` the K/V projections do not run.
+    block's :class:`CrossAttentionInputs` (never from a hard-coded text length). In :attr:`CrossKVMode.READ` the K/V
+    projections do not run.
 
     Under context parallelism the rank's query tokens attend to the whole context with every head, with no exchange
     (as diffusers' ``WanAttnProcessor``): every rank computes and caches the same cross K/V.
@@ -156,22 +253,19 @@ class WanCausalCrossAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: torch.Tensor | None = None,
         *,
-        causal_context: CausalContext | None = None,
+        causal_context: BlockAttentionInputs | None = None,
     ) -> torch.Tensor:
-        ctx = _require_context(causal_context, self)
-        engine = ctx.resolve_registered_engine(attn)
-        block_idx = engine.block_index(attn)
-        mode = ctx.cross_mode(engine)
+        inputs = _require_context(causal_context, self).cross_attn
 
         query = rms_norm_fp32(attn.norm_q, attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
-        if mode is CrossKVMode.READ:
-            entry = engine.get_cross_kv(block_idx, ctx.cache_tag)
-            key, value, key_img, value_img = entry.key, entry.value, entry.key_img, entry.value_img
+        if inputs.mode is CrossKVMode.READ:
+            key, value, key_img, value_img = inputs.key, inputs.value, inputs.key_img, inputs.value_img
         else:
-            key, value, key_img, value_img = self._project_context(attn, encoder_hidden_states, ctx)
-            if mode is CrossKVMode.FILL and not ctx.committed:
-                kept = [None if t is None else t.detach().contiguous() for t in (key, value, key_img, value_img)]
-                engine.set_cross_kv(block_idx, ctx.cache_tag, *kept)
+            key, value, key_img, value_img = self._project_context(
+                attn, encoder_hidden_states, inputs.image_context_length
+            )
+            if inputs.mode is CrossKVMode.FILL:
+                inputs.filled = tuple(None if t is None else t.detach() for t in (key, value, key_img, value_img))
 
         hidden_states = dispatch_attention_fn(query, key, value, backend=self._attention_backend)
         hidden_states = hidden_states.flatten(2, 3).type_as(query)
@@ -183,9 +277,8 @@ class WanCausalCrossAttnProcessor:
         return attn.to_out[1](hidden_states)
 
     @staticmethod
-    def _project_context(attn, encoder_hidden_states: torch.Tensor, ctx: CausalContext):
+    def _project_context(attn, encoder_hidden_states: torch.Tensor, image_len: int):
         """Text K/V ``(B, L_text, H, D)`` and, when image tokens lead the context, image K/V ``(B, L_img, H, D)``."""
-        image_len = ctx.image_context_length
         text = encoder_hidden_states[:, image_len:]
         if attn.fused_projections:
             key, value = attn.to_kv(text).chunk(2, dim=-1)
