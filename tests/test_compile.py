@@ -99,6 +99,7 @@ def test_one_block_traces_as_one_graph_in_store_and_read_paths(inputs, engine_ki
     assert len(calls) == 9
     # read (step 0: cross K/V computed; chunk 1: read) and store (chunk 0: cross fill; chunk 1: read) calls
     for args in (calls[0], calls[2], calls[3], calls[5]):
+        args[-1].self_attn.load()  # a gathered prefix is dropped after its block ran; gather it again
         explanation = torch._dynamo.explain(model.blocks[0])(*args)
         assert explanation.graph_break_count == 0, explanation.break_reasons
         assert explanation.graph_count == 1
@@ -108,14 +109,16 @@ def test_one_block_traces_as_one_graph_in_store_and_read_paths(inputs, engine_ki
 
 
 def test_static_block_reads_fixed_shapes_for_every_chunk(inputs):
-    """Every chunk of a static rollout hands attention the same buffer and mask shapes (no Python-int sizes)."""
+    """Every chunk of a static rollout hands attention the same buffer shapes; the valid length is a dynamic-marked
+    tensor size (no Python-int size that changes per chunk)."""
     model = make_causal_transformer(chunk_size=CHUNK, num_layers=1)
     calls = block_calls(model, inputs, StaticKVCacheEngine(FRAMES), num_chunks=4)
     shapes = set()
     for args in calls:
         self_attn = args[-1].self_attn
         assert self_attn.static
-        shapes.add((self_attn.key_cache.shape, self_attn.key_mask.shape, self_attn.write_index.shape))
+        shapes.add((self_attn.key_cache.shape, self_attn.write_index.shape))
+        assert 0 in getattr(self_attn.valid_length, "_dynamo_weak_dynamic_indices", set())
     assert len(shapes) == 1
 
 
@@ -130,7 +133,8 @@ def test_torch_compile_of_the_whole_transformer_matches_eager_without_recompiles
     compiled = rollout(compiled_model, inputs, engine(), 7, lambda index: graphs.append(graph_count()))
     assert (compiled - eager).abs().max() <= 1e-5
     assert graphs[2] == graphs[-1]  # nothing new after the third chunk (vanilla: the prefix length turns dynamic)
-    assert graphs[-1] <= 6
+    # vanilla: each block's prefix is gathered just before it runs, outside the graph (one break per block)
+    assert graphs[-1] <= (6 if engine_kind == "static" else 12)
 
 
 def tiny_t2v():

@@ -65,14 +65,18 @@ class StaticCall:
 
     Attributes:
         write_index: ``(F*S,)`` int64 buffer token index of every token of the call, in frame order.
-        key_mask: ``(1, 1, 1, capacity * S)`` additive mask in the cache dtype: 0 for the slots the call attends to,
-            ``-inf`` for the others.
-        valid_tokens: the number of those slots; they are the buffer's first ones.
+        valid_length: ``(V, 0)`` empty tensor whose first size is the number of buffer slots (tokens) the call attends
+            to, the buffer's first ones. A shape, not a Python int: ``torch.compile`` sees it as a dynamic size
+            (marked so), so one graph serves every chunk and every window position with no recompile, and attention
+            reads exactly the valid slots (no work on masked keys).
     """
 
     write_index: torch.Tensor
-    key_mask: torch.Tensor
-    valid_tokens: int
+    valid_length: torch.Tensor
+
+    @property
+    def valid_tokens(self) -> int:
+        return self.valid_length.shape[0]
 
 
 @dataclass
@@ -288,12 +292,9 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         write_index = torch.cat(
             [torch.arange(slot * seqlen, (slot + count) * seqlen, device=state.device) for _, slot, count in runs]
         )
-        valid_tokens = self.window.slots(end_frame) * seqlen
-        # additive (0 / -inf) in the compute dtype: under inductor SDPA runs faster with it than with a boolean mask
-        invalid = torch.arange(capacity, device=state.device) >= valid_tokens
-        key_mask = torch.zeros(capacity, dtype=state.dtype, device=state.device).masked_fill(invalid, float("-inf"))
-        key_mask = key_mask.view(1, 1, 1, capacity)
-        call = StaticCall(write_index, key_mask, valid_tokens)
+        valid_length = torch.empty(self.window.slots(end_frame) * seqlen, 0, device=state.device)
+        torch._dynamo.maybe_mark_dynamic(valid_length, 0)
+        call = StaticCall(write_index, valid_length)
         self._last_static_call = (key, call)
         return call
 

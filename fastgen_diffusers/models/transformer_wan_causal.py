@@ -485,13 +485,13 @@ class CausalWanMixin:
                         value_cache,
                         static=True,
                         write_index=static.write_index,
-                        key_mask=static.key_mask,
-                        valid_tokens=static.valid_tokens,
+                        valid_length=static.valid_length,
                     )
                 else:
-                    prefix = engine.get_self_prefix(block_idx, ctx.cache_tag, ctx.start_frame, first_chunk)
-                    key_cache, value_cache = (None, None) if prefix is None else prefix
-                    self_attn = SelfAttentionInputs(key_cache, value_cache, mask=mask, store=store)
+                    load_prefix = functools.partial(
+                        engine.get_self_prefix, block_idx, ctx.cache_tag, ctx.start_frame, first_chunk
+                    )
+                    self_attn = SelfAttentionInputs(mask=mask, store=store, load_prefix=load_prefix)
                 cross_attn = CrossAttentionInputs(mode, ctx.image_context_length)
                 if mode is CrossKVMode.READ:
                     entry = engine.get_cross_kv(block_idx, ctx.cache_tag)
@@ -504,12 +504,14 @@ class CausalWanMixin:
     def _run_blocks(self, blocks, hidden_states, context, timestep_proj, rotary_emb, block_inputs):
         """Run ``blocks`` in order, ``blocks[i]`` with ``block_inputs[i]`` (its :class:`BlockAttentionInputs`)."""
         for block, attention_inputs in zip(blocks, block_inputs):
+            attention_inputs.self_attn.load()
             if torch.is_grad_enabled() and self.gradient_checkpointing:
                 hidden_states = self._gradient_checkpointing_func(
                     block, hidden_states, context, timestep_proj, rotary_emb, attention_inputs
                 )
             else:
                 hidden_states = block(hidden_states, context, timestep_proj, rotary_emb, attention_inputs)
+            attention_inputs.self_attn.release()
         return hidden_states
 
     def _finish_call(self, ctx: CausalContext, conditioning, attention_inputs) -> None:

@@ -184,12 +184,14 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
         control = self.vace_patch_embedding(control_hidden_states).flatten(2).transpose(1, 2)  # (B, F*S, D)
         hints = []
         for block, inputs in zip(self.vace_blocks, block_inputs):
+            inputs.self_attn.load()
             if torch.is_grad_enabled() and self.gradient_checkpointing:
                 hint, control = self._gradient_checkpointing_func(
                     block, hidden_states, context, control, timestep_proj, rotary_emb, inputs
                 )
             else:
                 hint, control = block(hidden_states, context, control, timestep_proj, rotary_emb, inputs)
+            inputs.self_attn.release()
             hints.append(hint)
         return hints
 

@@ -11,10 +11,12 @@ blocks have run.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import _get_added_kv_projections, _get_qkv_projections
@@ -34,26 +36,40 @@ class SelfAttentionInputs:
 
     * ``static=True`` (static engine, a call at the end of its cache, no gradients): ``key_cache``/``value_cache``
       are the engine's fixed-size buffers ``(B, C, H, D)``. The call's K/V are written in place at ``write_index``
-      ``(L,)`` (their slots); attention then runs over the buffer. Eager, over its first ``valid_tokens`` tokens (a
-      view, nothing masked); under ``torch.compile``, over the whole buffer with the additive ``key_mask``
-      ``(1, 1, 1, C)`` (0 for a valid key, ``-inf`` otherwise), so every chunk of a rollout and of a windowed stream
-      has the same shapes.
+      ``(L,)`` (their slots); attention then runs over the buffer's first ``V`` tokens, a view with nothing masked,
+      where ``V`` is the first size of ``valid_length`` ``(V, 0)``: a tensor shape that ``torch.compile`` treats as
+      dynamic, so every chunk of a rollout and of a windowed stream reuses one graph and attention does no work on
+      slots that hold nothing yet.
     * ``static=False``: ``key_cache``/``value_cache`` are the visible cached prefix ``(B, P, H, D)`` in frame order
       (``None``: nothing visible); attention runs over ``[prefix | call]`` under ``mask`` (a block-causal mask for a
       multi-chunk call, else ``None``). With ``store=True`` the call's K/V are handed back in ``new_key``/``new_value``
-      for the model to store once the blocks have run.
+      for the model to store once the blocks have run. The prefix is gathered by ``load_prefix`` right before the
+      block runs ([`load`]) and dropped after it ([`release`]), so that a forward holds one block's gathered copy at a
+      time, not a copy of the whole cache.
     """
 
     key_cache: torch.Tensor | None = None
     value_cache: torch.Tensor | None = None
     static: bool = False
     write_index: torch.Tensor | None = None
-    key_mask: torch.Tensor | None = None
-    valid_tokens: int = 0
+    valid_length: torch.Tensor | None = None
     mask: Any = None
     store: bool = False
     new_key: torch.Tensor | None = None
     new_value: torch.Tensor | None = None
+    load_prefix: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None
+
+    @torch._dynamo.disable
+    def load(self) -> None:
+        """Gather the visible prefix into ``key_cache``/``value_cache`` (Python over the engine's runs: never traced)."""
+        if self.load_prefix is not None:
+            prefix = self.load_prefix()
+            self.key_cache, self.value_cache = (None, None) if prefix is None else prefix
+
+    def release(self) -> None:
+        """Drop the gathered prefix once the block has run (kept while gradients may recompute the block)."""
+        if self.load_prefix is not None and not torch.is_grad_enabled():
+            self.key_cache = self.value_cache = None
 
 
 @dataclass(eq=False)
@@ -215,17 +231,12 @@ class WanCausalAttnProcessor:
         return attn.to_out[1](hidden_states)
 
     def _static_attention(self, query, key, value, inputs: SelfAttentionInputs) -> torch.Tensor:
-        """Write this call's K/V into their slots of the fixed buffers, then attend to the valid slots.
-
-        Eager: a view of the first ``valid_tokens`` slots (no mask). Compiled: the whole buffer under ``key_mask``, so
-        the graph has one shape for every chunk and allocates nothing (CUDA-graph capturable).
-        """
+        """Write this call's K/V into their slots of the fixed buffers, then attend to the valid slots (a view of the
+        buffers' first ``valid_length.shape[0]`` tokens: a dynamic size under ``torch.compile``, no mask)."""
         key_cache, value_cache = inputs.key_cache, inputs.value_cache
         key_cache.index_copy_(1, inputs.write_index, key.to(key_cache.dtype))
         value_cache.index_copy_(1, inputs.write_index, value.to(value_cache.dtype))
-        if torch.compiler.is_compiling():
-            return masked_attention(query, key_cache, value_cache, inputs.key_mask)
-        valid = inputs.valid_tokens
+        valid = inputs.valid_length.shape[0]
         return dispatch_attention_fn(
             query, key_cache[:, :valid], value_cache[:, :valid], backend=self._attention_backend
         )
