@@ -61,7 +61,7 @@ class SelfAttentionInputs:
 
     @torch._dynamo.disable
     def load(self) -> None:
-        """Gather the visible prefix into ``key_cache``/``value_cache`` (Python over the engine's runs: never traced)."""
+        """Gather the visible prefix into ``key_cache``/``value_cache`` (Python over the engine runs, never traced)."""
         if self.load_prefix is not None:
             prefix = self.load_prefix()
             self.key_cache, self.value_cache = (None, None) if prefix is None else prefix
