@@ -28,7 +28,10 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..chunking import chunk_bounds, chunk_layout
 from ..parallel import is_main_process
+from .arguments import prepare_call_arguments
+from .guard import BranchCheckpoint, exclusive_rollout
 from .streaming_decode import StreamingWanDecoder
+from .validation import validate_call_arguments
 
 if TYPE_CHECKING:
     from .rollout import ChunkOutput
@@ -118,6 +121,7 @@ class LiveRolloutMixin:
     _resumable_rollouts = False
 
     # ------------------------------------------------------------------ streaming
+    @exclusive_rollout("stream()")
     def stream(self, *args, **kwargs) -> Iterator[StreamChunk]:
         r"""Generate like ``__call__`` (same arguments), yielding each chunk as soon as it is done.
 
@@ -138,6 +142,7 @@ class LiveRolloutMixin:
         bound.apply_defaults()
         call_kwargs = dict(bound.arguments)
         del call_kwargs["return_dict"]
+        call_kwargs = prepare_call_arguments(self, call_kwargs)
         output_type = call_kwargs["output_type"]
         run = self.prepare_rollout(**call_kwargs)  # validates `output_type` before any model work
         decode = output_type != "latent" and is_main_process(self.transformer)  # under context parallelism rank 0
@@ -317,6 +322,7 @@ class LiveRolloutMixin:
                 engine.clear(tag)
         kept.pop(branch, None)
 
+    @exclusive_rollout("fork_rollout()")
     def fork_rollout(self, branch: str, source: str = MAIN_BRANCH) -> None:
         """Copy the kept rollout ``source`` (its KV caches under new tags, its latents) to a new branch ``branch``.
 
@@ -334,6 +340,7 @@ class LiveRolloutMixin:
                     engine.copy_tag(source_tag, target_tag)
         self._kept_rollouts[branch] = replace(kept, cache_tags=target_tags)
 
+    @exclusive_rollout("continue_rollout()")
     @torch.no_grad()
     def continue_rollout(
         self,
@@ -399,6 +406,7 @@ class LiveRolloutMixin:
             output_type, return_dict, max_sequence_length,
         )  # fmt: skip
 
+    @exclusive_rollout("redo_last_chunk()")
     @torch.no_grad()
     def redo_last_chunk(
         self,
@@ -464,6 +472,10 @@ class LiveRolloutMixin:
                 f"{type(self).__name__} conditions its chunks on inputs of its `__call__` that are not kept: kept "
                 "rollouts can be continued with the text-to-video WanCausalPipeline."
             )
+        validate_call_arguments(
+            {"prompt": prompt, "prompt_embeds": prompt_embeds, "recache": recache, "generator": generator}
+            | {"latents": latents, "return_dict": return_dict, "max_sequence_length": max_sequence_length}
+        )
         if prompt is not None and prompt_embeds is not None:
             raise ValueError("Pass either `prompt` or `prompt_embeds`, not both.")
         if output_type not in OUTPUT_TYPES:
@@ -488,27 +500,32 @@ class LiveRolloutMixin:
         elif tuple(latents.shape) != shape:
             raise ValueError(f"`latents` must have shape {shape} (B, C, F, H, W), got {tuple(latents.shape)}.")
         past = torch.zeros(shape[:2] + (bounds[0][0],) + shape[3:], device=device, dtype=torch.float32)
-        if before_rollout is not None:
-            before_rollout()
-        kept = self.kept_rollout(branch)
-        switches = {} if new_embeds is None else {len(kept.chunks): new_embeds}
-        for _ in self.rollout(
-            torch.cat([past, latents.to(device, torch.float32)], dim=2),
-            kept.prompt_embeds,
-            kept.negative_prompt_embeds,
-            chunk_bounds=bounds,
-            schedule=kept.schedule,
-            guidance_scale=kept.guidance_scale,
-            context_noise=kept.context_noise,
-            generator=generator,
-            attention_kwargs=kept.attention_kwargs,
-            keep_cache=True,
-            prompt_switches=switches,
-            recache=recache,
-            branch=branch,
-            resume=True,
-        ):
-            pass
+        # A continuation that fails or is interrupted puts the branch back as it was, so that a retry works.
+        rewrites_prefix = before_rollout is not None or (recache and new_embeds is not None)
+        evicts = any(engine.window_frames is not None for engine in self.transformer.kv_cache_engines.values())
+        with BranchCheckpoint(self, branch, snapshot=rewrites_prefix or evicts) as checkpoint:
+            if before_rollout is not None:
+                before_rollout()
+            kept = self.kept_rollout(branch)
+            switches = {} if new_embeds is None else {len(kept.chunks): new_embeds}
+            for _ in self.rollout(
+                torch.cat([past, latents.to(device, torch.float32)], dim=2),
+                kept.prompt_embeds,
+                kept.negative_prompt_embeds,
+                chunk_bounds=bounds,
+                schedule=kept.schedule,
+                guidance_scale=kept.guidance_scale,
+                context_noise=kept.context_noise,
+                generator=generator,
+                attention_kwargs=kept.attention_kwargs,
+                keep_cache=True,
+                prompt_switches=switches,
+                recache=recache,
+                branch=branch,
+                resume=True,
+            ):
+                pass
+            checkpoint.commit_if(self.kept_rollout(branch).num_latent_frames == bounds[-1][1])
         video = self.decode_latents(self.kept_rollout(branch).latents, output_type)
         self.maybe_free_model_hooks()
         if not return_dict:

@@ -466,6 +466,7 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         attention_window: int | None = None,
         sink_frames: int = 0,
         kv_cache_engine: str | None = "static",
+        num_videos_per_prompt: int = 1,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -544,6 +545,9 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             kv_cache_engine (`str`, *optional*, defaults to `"static"`):
                 `"static"` (buffers allocated once, written in place), `"vanilla"` (a list of chunk tensors) or `None`
                 to keep the engines set on the transformer (`transformer.set_kv_cache_engines`).
+            num_videos_per_prompt (`int`, defaults to `1`):
+                Videos per prompt, as in diffusers: the prompts (and their embeddings) are repeated, so `latents` and a
+                list of `generator`s cover `batch * num_videos_per_prompt` videos.
 
         Examples:
 

@@ -590,6 +590,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         attention_window: int | None = None,
         sink_frames: int = 0,
         kv_cache_engine: str | None = "static",
+        num_videos_per_prompt: int = 1,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -664,6 +665,9 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 First latent frames that stay inside the window for ever.
             kv_cache_engine (`str`, *optional*, defaults to `"static"`):
                 `"static"`, `"vanilla"` or `None` (keep the transformer's engines).
+            num_videos_per_prompt (`int`, defaults to `1`):
+                Videos per prompt, as in diffusers: the prompts (and their embeddings) are repeated, so `latents` and a
+                list of `generator`s cover `batch * num_videos_per_prompt` videos.
 
         Examples:
 

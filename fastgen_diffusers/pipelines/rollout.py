@@ -44,6 +44,8 @@ from diffusers.utils.torch_utils import get_module_execution_device, randn_tenso
 from ..chunking import chunk_bounds, chunk_layout
 from ..kv_cache import ENGINE_KINDS, make_engines
 from ..parallel import is_main_process
+from .arguments import prepare_call_arguments
+from .guard import exclusive_rollout, warn_discarding_kept_rollouts
 from .live import MAIN_BRANCH, KeptRollout, LiveRolloutMixin, RolloutChunk, branch_cache_tags
 from .streaming_decode import StreamingWanDecoder, denormalize_latents
 
@@ -146,11 +148,13 @@ class CausalRolloutMixin(LiveRolloutMixin):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement `prepare_rollout`.")
 
+    @exclusive_rollout("pipe(...)")
     def run_call(self, call_arguments: Mapping[str, Any]) -> WanPipelineOutput | tuple:
         """The body of every causal pipeline's ``__call__``, which passes its ``locals()``: prepare, roll out chunk by
         chunk, decode."""
         arguments = {name: value for name, value in call_arguments.items() if name not in ("self", "__class__")}
         return_dict = arguments.pop("return_dict")
+        arguments = prepare_call_arguments(self, arguments)
         run = self.prepare_rollout(**arguments)
 
         # 6. Denoising loop: the causal rollout, chunk by chunk
@@ -307,6 +311,7 @@ class CausalRolloutMixin(LiveRolloutMixin):
         self.check_window_fits_chunks(attention_window, sink_frames, chunk_bounds)
         if kv_cache_engine is None:
             return
+        warn_discarding_kept_rollouts(self)
         self.discard_rollout()  # kept rollouts live in the engines being replaced
         engines = make_engines(
             self.transformer,
@@ -552,7 +557,7 @@ class CausalRolloutMixin(LiveRolloutMixin):
             branch: name of the kept rollout this rollout writes (``"main"``: cache tags ``"pos"`` / ``"neg"``).
             resume: continue the kept rollout ``branch`` instead of starting a video: no cache is cleared,
                 ``chunk_bounds`` start where the branch ends and chunk indices continue its numbering. An exception or
-                an early close discards that branch only.
+                an early close leaves the branch to the caller, which restores it (see [`BranchCheckpoint`]).
 
         Yields:
             [`ChunkOutput`] per finished chunk, in order.
@@ -574,6 +579,7 @@ class CausalRolloutMixin(LiveRolloutMixin):
         context_sigma = float(context_noise) / self.scheduler.config.num_train_timesteps
 
         if not resume:
+            warn_discarding_kept_rollouts(self)
             self.discard_rollout()
         finished = False
         try:
@@ -676,8 +682,11 @@ class CausalRolloutMixin(LiveRolloutMixin):
                     context_noise=context_noise,
                     attention_kwargs=attention_kwargs,
                 )
-            else:
-                self.discard_rollout(branch if resume else None)
+            elif not resume:
+                self.discard_rollout()
+            elif finished:
+                self.discard_rollout(branch)
+            # An unfinished continuation leaves the branch to its caller, which restores it (`BranchCheckpoint`).
 
     # ------------------------------------------------------------------ output
     def decode_latents(self, latents: torch.Tensor, output_type: str = "np"):
