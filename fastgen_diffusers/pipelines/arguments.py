@@ -16,7 +16,14 @@ import torch
 from .validation import validate_call_arguments
 
 # Inputs with one entry per prompt; anything else is shared by the batch (a single image, the control video, ...).
-PER_PROMPT_ARGUMENTS = ("prompt", "negative_prompt", "prompt_embeds", "negative_prompt_embeds", "image_embeds", "image")
+PER_PROMPT_ARGUMENTS = (
+    "prompt",
+    "negative_prompt",
+    "prompt_embeds",
+    "negative_prompt_embeds",
+    "image_embeds",
+    "image",
+)
 
 
 def require_transformer(pipe: Any) -> None:
@@ -57,6 +64,25 @@ def expand_videos_per_prompt(arguments: Mapping[str, Any]) -> dict[str, Any]:
         if arguments.get(name) is not None:
             arguments[name] = _repeat(arguments[name], times, name)
     return arguments
+
+
+def check_prompt_schedule(
+    pipe: Any, schedule: Mapping[int, Any], num_frames: int, chunk_size: int | None, leading_frames: int = 0
+) -> None:
+    """``ValueError`` for a prompt schedule whose switches do not map to chunks of this call (a switch past the last
+    chunk, two switches in one chunk), raised before any prompt is encoded.
+
+    Args:
+        schedule: ``{pixel_frame: prompt}`` of the switches after frame 0.
+        num_frames: pixel frames of the rollout (the video's plus VACE's reference frames).
+        leading_frames: latent frames before the video's frame 0 (VACE's reference images).
+    """
+    if not schedule:
+        return
+    num_latent_frames = (num_frames - 1) // pipe.vae_scale_factor_temporal + 1
+    bounds = pipe.rollout_chunk_bounds(num_latent_frames, chunk_size)
+    video_bounds = [(max(start - leading_frames, 0), end - leading_frames) for start, end in bounds]
+    pipe.prompt_switch_chunks(dict.fromkeys(schedule), video_bounds)
 
 
 def prepare_call_arguments(pipe: Any, arguments: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,9 +4,9 @@ A causal pipeline keeps its KV caches in its transformer's engines, so two rollo
 ``stream()`` of the same pipeline is open, two threads on one pipeline, two pipelines sharing a transformer through
 ``from_pipe``) would overwrite each other's caches. [`exclusive_rollout`] marks the pipeline entry points that use the
 caches: a second entry while one is running is refused at once with a ``RuntimeError`` that names what holds the
-caches. Nothing is serialized behind a lock: a stream may stay open for as long as its consumer likes, so waiting for it
-could wait for ever. The rule for users: one pipeline per thread, and close (or finish) a stream before calling its
-pipeline again.
+caches. Nothing is serialized behind a lock: a stream may stay open for as long as its consumer likes, so waiting for
+it could wait for ever. The rule for users: one pipeline per thread, and close (or finish) a stream before calling
+its pipeline again.
 
 [`BranchCheckpoint`] makes a continuation of a kept rollout (``continue_rollout``, ``redo_last_chunk``) a transaction:
 if it fails or is interrupted, the branch is put back exactly as it was, so a retry works.
@@ -53,9 +53,9 @@ def _busy_message(holder: _Holder, entry: str) -> str:
             "callback): they share the KV caches; a pipeline runs one rollout at a time."
         )
     return (
-        f"`{entry}` was called while `{holder.entry}` of this {holder.pipeline} runs in thread {holder.thread_name!r}: "
-        "one pipeline per thread. The KV caches live in the transformer, so concurrent rollouts need one pipeline "
-        "(and one transformer) per thread."
+        f"`{entry}` was called while `{holder.entry}` of this {holder.pipeline} runs in thread "
+        f"{holder.thread_name!r}: one pipeline per thread. The KV caches live in the transformer, so concurrent "
+        "rollouts need one pipeline (and one transformer) per thread."
     )
 
 

@@ -31,10 +31,13 @@ from diffusers.video_processor import VideoProcessor
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from ..models import WanCausalTransformer3DModel
+from .arguments import check_prompt_schedule
 from .live import OUTPUT_TYPES
 from .rollout import CausalRolloutMixin, RolloutRun
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
+# The "Loaded <component> as <class> ..." lines of the components loaded here go where diffusers logs its own.
+loading_logger = logging.get_logger(DiffusionPipeline.__module__)
 
 CAUSAL_SHIFT = 5.0
 HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision")
@@ -125,13 +128,18 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         scheduler ([`FlowMatchEulerDiscreteScheduler`]):
             The few-step sampler, `FlowMatchEulerDiscreteScheduler(shift=5.0, stochastic_sampling=True)`: predict x0,
             then re-noise with fresh noise.
-        transformer ([`WanCausalTransformer3DModel`]):
+        transformer ([`WanCausalTransformer3DModel`], *optional*):
             The causal transformer. A plain `WanTransformer3DModel` is converted (weights shared) by
-            [`~WanCausalPipeline.from_pretrained`] and [`~WanCausalPipeline.from_pipe`].
+            [`~WanCausalPipeline.from_pretrained`] and [`~WanCausalPipeline.from_pipe`]. `None` (with `vae` and
+            `scheduler` `None` too, as diffusers allows) builds a pipeline that serves `encode_prompt` alone.
+
+    A pipeline runs one rollout at a time: its KV caches live in the transformer. A call while a `stream()` of the same
+    pipeline (or of one sharing its transformer) is open, or from a second thread while one runs, raises a
+    `RuntimeError` at once; use one pipeline per thread.
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
-    _optional_components = ["tokenizer", "text_encoder"]
+    _optional_components = ["tokenizer", "text_encoder", "transformer"]
     _resumable_rollouts = True
     _transformer_class = WanCausalTransformer3DModel
 
@@ -146,7 +154,7 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         context_noise: float = 0.0,
     ):
         super().__init__()
-        if not isinstance(transformer, self._transformer_class):
+        if transformer is not None and not isinstance(transformer, self._transformer_class):
             raise ValueError(
                 f"`transformer` must be a {self._transformer_class.__name__}, got {type(transformer).__name__}. Load "
                 f"with `{type(self).__name__}.from_pretrained` / `.from_pipe`, which convert a plain Wan transformer, "
@@ -168,25 +176,38 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         r"""Load a causal pipeline from a diffusers Wan directory or Hub repo (the layout `WanPipeline` saves).
 
         Unless given as `transformer=`, the `transformer` subfolder loads as a [`WanCausalTransformer3DModel`]
-        (bit-identical weights; a saved causal config keeps its `chunk_size`). Unless given as `scheduler=`, the
-        scheduler is built by [`causal_scheduler_from_config`] from the saved one. Every other argument is
-        [`DiffusionPipeline.from_pretrained`]'s.
+        ([`WanCausalVACETransformer3DModel`] for VACE; bit-identical weights; a saved causal config keeps its
+        `chunk_size`), after diffusers has loaded and checked the other components (`variant=`, Hub files). Unless
+        given as `scheduler=`, the scheduler is built by [`causal_scheduler_from_config`] from the saved one. Every
+        other argument is [`DiffusionPipeline.from_pretrained`]'s.
         """
         hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
-        if "transformer" not in kwargs:
-            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))  # diffusers 0.42 renamed `torch_dtype`
-            if isinstance(dtype, dict):
-                dtype = dtype.get("transformer", dtype.get("default"))
-            model_kwargs = {key: kwargs[key] for key in ("variant", "use_safetensors") if key in kwargs}
-            kwargs["transformer"] = WanCausalTransformer3DModel.from_pretrained(
-                pretrained_model_name_or_path, subfolder="transformer", dtype=dtype, **model_kwargs, **hub_kwargs
-            )
+        load_transformer = "transformer" not in kwargs
         if "scheduler" not in kwargs:
             config = FlowMatchEulerDiscreteScheduler.load_config(
                 pretrained_model_name_or_path, subfolder="scheduler", **hub_kwargs
             )
             kwargs["scheduler"] = causal_scheduler_from_config(config)
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+            scheduler_class = type(kwargs["scheduler"]).__name__
+            loading_logger.info(
+                f"Loaded scheduler as {scheduler_class} from `scheduler` subfolder of {pretrained_model_name_or_path}."
+            )
+        # diffusers loads (and checks: `variant`, the Hub, the offline cache) every other component first.
+        pipe = super().from_pretrained(pretrained_model_name_or_path, **{"transformer": None, **kwargs})
+        if load_transformer:
+            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))  # diffusers 0.42 renamed `torch_dtype`
+            if isinstance(dtype, dict):
+                dtype = dtype.get("transformer", dtype.get("default"))
+            model_kwargs = {key: kwargs[key] for key in ("variant", "use_safetensors") if key in kwargs}
+            transformer = cls._transformer_class.from_pretrained(
+                pretrained_model_name_or_path, subfolder="transformer", dtype=dtype, **model_kwargs, **hub_kwargs
+            )
+            pipe.register_modules(transformer=transformer)
+            loading_logger.info(
+                f"Loaded transformer as {type(transformer).__name__} from `transformer` subfolder of "
+                f"{pretrained_model_name_or_path}."
+            )
+        return pipe
 
     @classmethod
     def from_pipe(cls, pipeline: DiffusionPipeline, **kwargs) -> WanCausalPipeline:
@@ -287,8 +308,6 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
                     f"`negative_prompt` has {len(negative_prompt)} entries but the prompt batch is {batch_size}: pass "
                     f"one negative prompt, or a list of {batch_size}."
                 )
-            if negative_prompt is not None and type(negative_prompt) is not type(prompt) and prompt is not None:
-                raise ValueError("`negative_prompt` must be of the same type as `prompt` (both str or both lists).")
 
         if isinstance(generator, list) and len(generator) != batch_size:
             raise ValueError(
@@ -390,6 +409,7 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         self.check_window_fits_chunks(
             attention_window, sink_frames, self.rollout_chunk_bounds(num_latent_frames, chunk_size)
         )
+        check_prompt_schedule(self, prompt_schedule, num_frames, chunk_size)
 
         # 2. Define call parameters
         device = self._execution_device

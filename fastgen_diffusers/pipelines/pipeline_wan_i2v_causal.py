@@ -44,6 +44,7 @@ from transformers import AutoTokenizer, CLIPVisionModel, UMT5EncoderModel
 from transformers.image_processing_utils import BaseImageProcessor
 
 from ..models import WanCausalTransformer3DModel
+from .arguments import check_prompt_schedule
 from .pipeline_wan_causal import WanCausalPipeline
 from .rollout import RolloutRun
 from .streaming_decode import latent_statistics
@@ -143,7 +144,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
     """
 
     model_cpu_offload_seq = "text_encoder->image_encoder->transformer->vae"
-    _optional_components = ["tokenizer", "text_encoder", "image_processor", "image_encoder"]
+    _optional_components = ["tokenizer", "text_encoder", "transformer", "image_processor", "image_encoder"]
 
     _resumable_rollouts = False  # the image conditioning of a call is not kept
 
@@ -492,6 +493,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             max_sequence_length,
         )
         self.check_context_frames(video, num_frames, chunk_size)
+        check_prompt_schedule(self, prompt_schedule, num_frames, chunk_size)
         layout = self.i2v_layout
         device = self._execution_device
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ from diffusers.pipelines.wan.pipeline_wan_vace import WanVACEPipeline
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from ..models import VACEHintCache, WanCausalVACETransformer3DModel
+from .arguments import check_prompt_schedule
 from .pipeline_wan_causal import WanCausalPipeline, _model_config, _share_weights
 from .rollout import RolloutRun
 
@@ -99,26 +99,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         self._vace_scale = None
         self._vace_hint_cache = None
 
-    # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs) -> WanCausalVACEPipeline:
-        r"""Load from a diffusers Wan VACE directory or Hub repo (the layout `WanVACEPipeline` saves); the
-        `transformer` subfolder loads as a [`WanCausalVACETransformer3DModel`] with bit-identical weights. Otherwise
-        as [`WanCausalPipeline.from_pretrained`]."""
-        if "transformer" not in kwargs:
-            torch_dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))  # diffusers 0.42 renamed `torch_dtype`
-            if isinstance(torch_dtype, dict):
-                torch_dtype = torch_dtype.get("transformer", torch_dtype.get("default"))
-            model_kwargs = {
-                key: kwargs[key]
-                for key in ("variant", "use_safetensors", "cache_dir", "local_files_only", "token", "revision")
-                if key in kwargs
-            }
-            kwargs["transformer"] = WanCausalVACETransformer3DModel.from_pretrained(
-                pretrained_model_name_or_path, subfolder="transformer", dtype=torch_dtype, **model_kwargs
-            )
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-
+    # ------------------------------------------------------------------ loading (`from_pretrained`: the base's)
     @classmethod
     def from_pipe(cls, pipeline: DiffusionPipeline, **kwargs) -> WanCausalVACEPipeline:
         r"""Build from another pipeline's components, e.g. a `WanVACEPipeline` (no extra memory): a plain
@@ -324,6 +305,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
             callback_on_step_end_tensor_inputs,
             max_sequence_length,
         )
+        check_prompt_schedule(self, prompt_schedule, total_frames, chunk_size, leading_frames=num_refs)
 
         # 2. Prompts
         device = self._execution_device

@@ -1,7 +1,8 @@
 """Type and value checks of the pipelines' call arguments, before any model runs.
 
-Each check looks at one argument alone and raises an [`ArgumentTypeError`] (a ``TypeError``, also a ``ValueError``: wrong type) or ``ValueError`` (right type, bad
-value) whose message starts with the argument's name in backticks and says what is accepted. What needs more than the
+Each check looks at one argument alone and raises an [`ArgumentTypeError`] (a ``TypeError`` that is also a
+``ValueError``: wrong type) or a ``ValueError`` (right type, bad value) whose message starts with the argument's name
+in backticks and says what is accepted. What needs more than the
 argument itself (shapes against the transformer's config, batch sizes, chunk fits) stays in the pipelines'
 ``check_inputs``; those run after these, on arguments of the right type.
 
@@ -64,13 +65,17 @@ def check_number_sequence(name: str, values: Any) -> None:
     """A flat list, tuple, 1-D array or 1-D tensor of finite real numbers (ranges and order are checked later)."""
     if isinstance(values, (torch.Tensor, np.ndarray)):
         if values.ndim != 1:
-            raise ArgumentTypeError(f"`{name}` must be a flat list of numbers, got an array of shape {tuple(values.shape)}.")
+            raise ArgumentTypeError(
+                f"`{name}` must be a flat list of numbers, got an array of shape {tuple(values.shape)}."
+            )
         values = values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise ArgumentTypeError(f"`{name}` must be a list of numbers, got {_type_name(values)}.")
     for value in values:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ArgumentTypeError(f"`{name}` must be a flat list of numbers, got an element {value!r} ({_type_name(value)}).")
+            raise ArgumentTypeError(
+                f"`{name}` must be a flat list of numbers, got an element {value!r} ({_type_name(value)})."
+            )
         if not math.isfinite(value):
             raise ValueError(f"`{name}` must hold finite numbers, got {list(values)}.")
 
@@ -108,7 +113,9 @@ def check_prompt(name: str, prompt: Any) -> None:
         raise ArgumentTypeError(f"`{name}` must be a string or a non-empty list of strings, got {_type_name(prompt)}.")
     for item in prompt:
         if not isinstance(item, str):
-            raise ArgumentTypeError(f"`{name}` must be a list of strings, got an element {item!r} ({_type_name(item)}).")
+            raise ArgumentTypeError(
+                f"`{name}` must be a list of strings, got an element {item!r} ({_type_name(item)})."
+            )
 
 
 def check_schedule(name: str, value: Any, check: Callable[[str, Any], None]) -> None:
@@ -195,7 +202,9 @@ def check_generator(name: str, value: Any) -> None:
     generators = value if isinstance(value, list) else [value]
     for generator in generators:
         if not isinstance(generator, torch.Generator):
-            raise ArgumentTypeError(f"`{name}` must be a torch.Generator or a list of them, got {_type_name(generator)}.")
+            raise ArgumentTypeError(
+                f"`{name}` must be a torch.Generator or a list of them, got {_type_name(generator)}."
+            )
 
 
 def check_callable(name: str, value: Any) -> None:
