@@ -153,8 +153,8 @@ class CausalRolloutMixin(LiveRolloutMixin):
         """The body of every causal pipeline's ``__call__``, which passes its ``locals()``: prepare, roll out chunk by
         chunk, decode."""
         arguments = {name: value for name, value in call_arguments.items() if name not in ("self", "__class__")}
-        return_dict = arguments.pop("return_dict")
         arguments = prepare_call_arguments(self, arguments)
+        return_dict = arguments.pop("return_dict")
         run = self.prepare_rollout(**arguments)
 
         # 6. Denoising loop: the causal rollout, chunk by chunk
