@@ -135,21 +135,23 @@ class BranchCheckpoint:
 
     Two ways to restore, chosen when the checkpoint is taken:
 
-    * cheap (the default): the continuation only appends frames, so truncating the branch's caches back to its last
-      frame restores them; the cross K/V (rebuilt from the kept embeddings) are invalidated.
-    * snapshot (``snapshot=True``): a copy of the branch's caches under backup tags, for continuations that rewrite the
-      prefix (a ``recache`` prompt switch, ``redo_last_chunk``) or evict from it (a sliding window, RoPE re-basing).
-      The vanilla engine shares the stored tensors, the static one copies its buffers.
+    * cheap: a continuation that only appends frames is undone by truncating the branch's caches back to its last
+      frame; the cross K/V (rebuilt from the kept embeddings) are invalidated.
+    * snapshot: a copy of the branch's caches under backup tags, for continuations that rewrite the prefix
+      (``rewrites_prefix``: a ``recache`` prompt switch, ``redo_last_chunk``) or may evict from it (any engine with
+      a sliding window, which RoPE re-basing needs too). The vanilla engine shares the stored tensors, the static one
+      copies its buffers (memory of one more copy of the branch's caches while the continuation runs).
     """
 
     BACKUP_PREFIX = "__checkpoint__/"
 
-    def __init__(self, pipe: Any, branch: str, snapshot: bool) -> None:
+    def __init__(self, pipe: Any, branch: str, rewrites_prefix: bool) -> None:
         self.pipe = pipe
         self.branch = branch
         self.kept: KeptRollout = pipe.kept_rollout(branch)
-        self.snapshot = snapshot
         self.engines = dict(pipe.transformer.kv_cache_engines)
+        evicts = any(engine.window_frames is not None for engine in self.engines.values())
+        self.snapshot = snapshot = rewrites_prefix or evicts
         self.backups: dict[str, str] = {}
         self.committed = False
         if snapshot:

@@ -131,8 +131,9 @@ class LiveRolloutMixin:
         cache carried across chunks: ``np.concatenate([c.frames for c in pipe.stream(...)], axis=1)`` equals
         ``pipe(...).frames`` exactly. Closing the generator early (``break``, ``.close()``, an exception in the
         consumer) closes the rollout, which frees the caches: the pipeline is then as fresh as before. With
-        ``keep_cache=True`` the rollout is kept once the last chunk is handed out. Do not call the pipeline while one
-        of its streams is open; they share the KV caches. ``return_dict`` is ignored. Every step runs under
+        ``keep_cache=True`` the rollout is kept once the last chunk is handed out. While a stream is open (from its
+        first chunk to its end or close) it holds the KV caches: calling the pipeline, its kept-rollout methods or
+        another stream raises a ``RuntimeError`` naming it. ``return_dict`` is ignored. Every step runs under
         ``torch.no_grad`` as ``__call__`` does; the caller's grad mode is left as it is between chunks.
 
         Yields:
@@ -473,8 +474,15 @@ class LiveRolloutMixin:
                 "rollouts can be continued with the text-to-video WanCausalPipeline."
             )
         validate_call_arguments(
-            {"prompt": prompt, "prompt_embeds": prompt_embeds, "recache": recache, "generator": generator}
-            | {"latents": latents, "return_dict": return_dict, "max_sequence_length": max_sequence_length}
+            {
+                "prompt": prompt,
+                "prompt_embeds": prompt_embeds,
+                "recache": recache,
+                "generator": generator,
+                "latents": latents,
+                "return_dict": return_dict,
+                "max_sequence_length": max_sequence_length,
+            }
         )
         if prompt is not None and prompt_embeds is not None:
             raise ValueError("Pass either `prompt` or `prompt_embeds`, not both.")
@@ -502,8 +510,7 @@ class LiveRolloutMixin:
         past = torch.zeros(shape[:2] + (bounds[0][0],) + shape[3:], device=device, dtype=torch.float32)
         # A continuation that fails or is interrupted puts the branch back as it was, so that a retry works.
         rewrites_prefix = before_rollout is not None or (recache and new_embeds is not None)
-        evicts = any(engine.window_frames is not None for engine in self.transformer.kv_cache_engines.values())
-        with BranchCheckpoint(self, branch, snapshot=rewrites_prefix or evicts) as checkpoint:
+        with BranchCheckpoint(self, branch, rewrites_prefix) as checkpoint:
             if before_rollout is not None:
                 before_rollout()
             kept = self.kept_rollout(branch)
