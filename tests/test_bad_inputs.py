@@ -110,6 +110,12 @@ CASES = [
         TypeError,
         "`prompt_embeds` must be a floating-point tensor",
     ),
+    ("latents-array", "tiv", {"latents": np.zeros(LATENTS)}, TypeError, "`latents` must be a torch.Tensor"),
+    ("latents-int-dtype", "tiv", {"latents": torch.zeros(LATENTS, dtype=torch.int64)}, TypeError, "`latents` must"),
+    ("timesteps-str", "tiv", {"timesteps": "1000"}, TypeError, "`timesteps` must be a list of numbers"),
+    ("conditioning_scale-str", "v", {"conditioning_scale": "1"}, TypeError, "`conditioning_scale` must be a number"),
+    ("image-str", "i", {"image": "frame.png"}, TypeError, "`image` must be a PIL image"),
+    ("image-list-of-str", "i", {"image": ["frame.png"]}, TypeError, "`image` must hold PIL images"),
     ("num_videos_per_prompt-zero", "tiv", {"num_videos_per_prompt": 0}, ValueError, "`num_videos_per_prompt` must"),
     ("num_videos_per_prompt-float", "tiv", {"num_videos_per_prompt": 1.5}, TypeError, "`num_videos_per_prompt`"),
     # tensors without data
