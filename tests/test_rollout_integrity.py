@@ -181,6 +181,26 @@ def test_a_failed_continuation_keeps_its_prefix_and_a_retry_works(pipe, setup, c
     np.testing.assert_array_equal(retried, expected)
 
 
+def test_an_interrupted_continuation_returns_the_kept_video_and_keeps_the_prefix(pipe):
+    pipe(prompt_embeds=_embeds(1), generator=_seed(0), keep_cache=True, **CALL)
+    pipe.fork_rollout("reference")
+    kept = pipe.kept_rollout()
+
+    def interrupt(module, args):  # what a callback or another thread does: set the pipeline's interrupt flag
+        pipe._interrupt = True
+
+    handle = pipe.transformer.register_forward_pre_hook(interrupt)
+    try:
+        frames = pipe.continue_rollout(24, generator=_seed(3), output_type="latent").frames
+    finally:
+        handle.remove()
+    assert pipe.kept_rollout() is kept
+    torch.testing.assert_close(frames, kept.latents, rtol=0, atol=0)
+    retried = pipe.continue_rollout(24, generator=_seed(3), output_type="latent").frames
+    expected = pipe.continue_rollout(24, generator=_seed(3), output_type="latent", branch="reference").frames
+    torch.testing.assert_close(retried, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("setup", ["static", "vanilla-window"])
 def test_a_failed_redo_keeps_the_chunk_it_was_redoing(pipe, setup):
     pipe(prompt_embeds=_embeds(1), generator=_seed(0), keep_cache=True, **CALL, **ENGINE_SETUPS[setup])
