@@ -1,14 +1,16 @@
-"""What every causal pipeline does with its call arguments before its own ``prepare_rollout``.
+"""What every causal pipeline does first with a call's arguments, before any other check.
 
-[`prepare_call_arguments`] is the first step of ``pipe(...)`` and ``pipe.stream(...)``: it checks that the pipeline can
-generate at all (a pipeline built with ``transformer=None`` serves ``encode_prompt`` only), checks every argument's
-type and values ([`validate_call_arguments`]), and applies diffusers' ``num_videos_per_prompt`` by repeating the
-per-video inputs, as ``WanPipeline.encode_prompt`` repeats the embeddings.
+[`prepare_call_options`] is the first step of the shared ``prepare_rollout`` template (``pipe(...)`` and
+``pipe.stream(...)``): it checks that the pipeline can generate at all (a pipeline built with ``transformer=None``
+serves ``encode_prompt`` only), checks every argument's type and values ([`validate_call_arguments`]), and applies
+diffusers' ``num_videos_per_prompt`` by repeating the per-video inputs, as ``WanPipeline.encode_prompt`` repeats the
+embeddings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -89,3 +91,11 @@ def prepare_call_arguments(pipe: Any, arguments: Mapping[str, Any]) -> dict[str,
     """The call's arguments checked and ready for ``prepare_rollout`` (see the module docstring)."""
     require_transformer(pipe)
     return expand_videos_per_prompt(validate_call_arguments(arguments))
+
+
+def prepare_call_options(pipe: Any, options: Any) -> Any:
+    """[`prepare_call_arguments`] on a call's options dataclass (``RolloutOptions`` and its subclasses): the
+    options with their values checked, PIL images converted and ``num_videos_per_prompt`` applied (then 1)."""
+    arguments = {field.name: getattr(options, field.name) for field in fields(options)}
+    prepared = prepare_call_arguments(pipe, arguments)
+    return replace(options, **prepared, num_videos_per_prompt=1)

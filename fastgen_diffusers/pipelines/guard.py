@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .live import KeptRollout
+from typing import Any
 
 _HOLDERS_LOCK = threading.Lock()
 # transformer -> what runs on its caches now; weak keys: a deleted model takes its entry with it, and `copy.deepcopy`
@@ -119,21 +117,31 @@ def exclusive_rollout(entry: str) -> Callable[[Callable], Callable]:
 
 def warn_discarding_kept_rollouts(pipe: Any) -> None:
     """Warn (once per call: the kept rollouts are gone afterwards) that a new rollout frees the kept rollouts."""
-    kept = pipe.__dict__.get("_kept_rollouts")
+    kept = pipe.rollout_branches
     if kept:
         warnings.warn(
             f"This call starts a new video and discards the kept rollouts {sorted(kept)} (from `keep_cache=True`). "
             "Continue them with `continue_rollout`, or free them with `pipe.discard_rollout()` before a new call to "
             "silence this warning.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=_user_stacklevel(),
         )
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the caller's first frame outside this package and torch's decorators, so that a warning
+    points at the user's call (and Python shows it once per call site)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("fastgen_diffusers", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class BranchCheckpoint:
     """The state of a kept rollout branch before a continuation, restored exactly if the continuation does not finish.
 
-    Two ways to restore, chosen when the checkpoint is taken:
+    The branch's [`RolloutSession`] is put back as it was (its chunks, prompts, frame count); its caches are restored
+    one of two ways, chosen when the checkpoint is taken:
 
     * cheap: a continuation that only appends frames is undone by truncating the branch's caches back to its last
       frame; the cross K/V (rebuilt from the kept embeddings) are invalidated.
@@ -141,6 +149,8 @@ class BranchCheckpoint:
       (``rewrites_prefix``: a ``recache`` prompt switch, ``redo_last_chunk``) or may evict from it (any engine with
       a sliding window, which RoPE re-basing needs too). The vanilla engine shares the stored tensors, the static one
       copies its buffers (memory of one more copy of the branch's caches while the continuation runs).
+
+    A conditioner grown by the continuation (``Conditioner.extend``) stays grown: its earlier frames do not change.
     """
 
     BACKUP_PREFIX = "__checkpoint__/"
@@ -148,14 +158,15 @@ class BranchCheckpoint:
     def __init__(self, pipe: Any, branch: str, rewrites_prefix: bool) -> None:
         self.pipe = pipe
         self.branch = branch
-        self.kept: KeptRollout = pipe.kept_rollout(branch)
+        self.session = pipe.kept_rollout(branch)
+        self.state = dict(vars(self.session), chunks=list(self.session.chunks))
         self.engines = dict(pipe.transformer.kv_cache_engines)
         evicts = any(engine.window_frames is not None for engine in self.engines.values())
-        self.snapshot = snapshot = rewrites_prefix or evicts
+        self.snapshot = rewrites_prefix or evicts
         self.backups: dict[str, str] = {}
         self.committed = False
-        if snapshot:
-            for tag in self.kept.cache_tags:
+        if self.snapshot:
+            for tag in self.session.cache_tags:
                 backup = self.BACKUP_PREFIX + tag
                 for engine in self.engines.values():
                     if engine.tag_state(tag) is not None:
@@ -163,18 +174,19 @@ class BranchCheckpoint:
                         self.backups[tag] = backup
 
     def restore(self) -> None:
-        """Put the branch's caches and its kept record back as they were when the checkpoint was taken."""
-        num_frames = self.kept.num_latent_frames
+        """Put the branch's caches and its session back as they were when the checkpoint was taken."""
+        num_frames = self.state["num_latent_frames"]
         for engine in self.engines.values():
-            for tag in self.kept.cache_tags:
+            for tag in self.session.cache_tags:
                 if self.snapshot:
                     engine.clear(tag)
-                    if engine.tag_state(self.backups.get(tag, "")) is not None:
+                    if tag in self.backups and engine.tag_state(self.backups[tag]) is not None:
                         engine.copy_tag(self.backups[tag], tag)
                 elif engine.tag_state(tag) is not None:
                     engine.truncate(tag, num_frames)
                     engine.invalidate_cross(tag)
-        self.pipe._kept_rollouts[self.branch] = self.kept
+        vars(self.session).update(self.state, chunks=list(self.state["chunks"]))
+        self.pipe._sessions[self.branch] = self.session
 
     def release(self) -> None:
         """Free the backup copies."""
