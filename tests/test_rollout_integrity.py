@@ -7,11 +7,12 @@ import threading
 import warnings
 
 import numpy as np
+import PIL.Image
 import pytest
 import torch
 
-from fastgen_diffusers import WanCausalPipeline
-from fastgen_diffusers.testing import tiny_pipeline
+from fastgen_diffusers import WanCausalImageToVideoPipeline, WanCausalPipeline
+from fastgen_diffusers.testing import tiny_components, tiny_pipeline, tiny_transformer, tiny_vace_pipeline
 
 CALL = {"height": 16, "width": 16, "num_frames": 25, "num_inference_steps": 2, "output_type": "latent"}
 # 7 latent frames in chunks [0, 4) and [4, 7)
@@ -230,3 +231,25 @@ def test_a_new_video_warns_once_before_it_discards_kept_rollouts(pipe):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pipe(prompt_embeds=_embeds(2), **CALL)
+
+
+@pytest.mark.parametrize("kind", ["i2v", "vace"])
+def test_a_failed_continuation_of_an_image_or_control_rollout_keeps_its_prefix(kind):
+    if kind == "i2v":
+        components = tiny_components()
+        components["transformer"] = tiny_transformer(independent_first_frame=True)
+        pipe = WanCausalImageToVideoPipeline(**components)
+        inputs = {"image": PIL.Image.new("RGB", (16, 16), (200, 30, 30))}
+    else:
+        pipe = tiny_vace_pipeline()
+        inputs = {"video": torch.rand(25, 3, 16, 16, generator=_seed(2))}
+    pipe.set_progress_bar_config(disable=True)
+    pipe(prompt="a red fox", generator=_seed(0), keep_cache=True, max_sequence_length=16, **CALL, **inputs)
+    pipe.fork_rollout("reference")
+    session = pipe.kept_rollout()
+    with FailAt(pipe.transformer, at=4), pytest.raises(RuntimeError, match="stop here"):
+        pipe.continue_rollout(24, generator=_seed(3))
+    assert pipe.kept_rollout() is session and session.num_latent_frames == 7
+    retried = pipe.continue_rollout(24, generator=_seed(3), output_type="latent").frames
+    expected = pipe.continue_rollout(24, generator=_seed(3), output_type="latent", branch="reference").frames
+    torch.testing.assert_close(retried, expected, rtol=0, atol=0)
