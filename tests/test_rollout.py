@@ -128,6 +128,17 @@ def test_first_chunk_timesteps_run_on_the_first_chunk_only():
     calls.clear()
     pipe(**T2V, first_chunk_timesteps=[1000.0])
     assert [len(steps) for steps in _per_chunk(calls).values()] == [1, 2, 2]
+
+    calls.clear()  # a kept rollout: its continuation runs `timesteps`, a redo of chunk 0 its own timesteps again
+    kept = pipe(**{**T2V, "num_frames": 9}, keep_cache=True, generator=_seed(1)).frames
+    pipe.continue_rollout(12, generator=_seed(2), output_type="latent")
+    pipe.redo_last_chunk(generator=_seed(2), output_type="latent")
+    pipe.discard_rollout()
+    pipe(**{**T2V, "num_frames": 9}, keep_cache=True, generator=_seed(1))
+    redone = pipe.redo_last_chunk(generator=_seed(1), output_type="latent").frames
+    assert torch.equal(redone, kept)  # chunk 0 regenerated on its own schedule with the same seed
+    assert _per_chunk(calls) == {0: first * 3, 3: [1000.0, 500.0] * 2}
+    pipe.discard_rollout()
     handle.remove()
     with pytest.raises(ValueError, match="first_chunk_timesteps"):
         pipe(**T2V, first_chunk_timesteps=[500.0, 900.0])
@@ -185,25 +196,30 @@ def test_a_200_chunk_windowed_stream_keeps_memory_flat():
     pipe = tiny_pipeline(num_layers=1)
     pipe.set_progress_bar_config(disable=True)
     num_chunks = 200
-    options = RolloutOptions(
+    call = dict(
         prompt_embeds=torch.randn(1, 8, 32, generator=_seed(0)),
         height=64,
-        width=64,  # 8x8 latents: a leaked chunk (latents + cache input) would hold 24 KiB
+        width=64,  # 8x8 latents: a chunk kept by mistake (latents + cache input) would hold 24 KiB
         num_frames=4 * (3 * num_chunks) - 3,
         num_inference_steps=1,
         attention_window=6,
         sink_frames=3,
         output_type="latent",
-        generator=_seed(0),
     )
-    run = pipe.prepare_rollout(options)
-    held, cache_bytes, rss = [], [], []
+    rss = {}
+    for chunk in pipe.stream(**call, generator=_seed(0)):
+        if chunk.chunk_index in (49, num_chunks - 1):
+            rss[chunk.chunk_index] = _rss_bytes()
+    growth = rss[num_chunks - 1] - rss[49]
+    assert growth < 2**20, f"RSS grew by {growth / 2**20:.2f} MiB over 150 chunks"
+
+    # The same rollout, looking into its session: it holds no chunk tensor, the cache stops growing.
+    run = pipe.prepare_rollout(RolloutOptions(**call, generator=_seed(0)))
+    held, cache_bytes, indices = [], [], []
     for chunk in run.chunks():
+        indices.append(chunk.chunk_index)
         held.append(sum(t.numel() * t.element_size() for t in run.session.held_tensors()))
         cache_bytes.append(pipe.transformer.kv_cache_bytes())
-        if chunk.chunk_index in (49, num_chunks - 1):
-            rss.append(_rss_bytes())
-    assert chunk.chunk_index == num_chunks - 1
-    assert max(held) == 0 and run.session.chunks == []  # nothing of a finished chunk stays in the session
-    assert len(set(cache_bytes[2:-1])) == 1  # the window's cache stops growing once full
-    assert rss[1] - rss[0] < 2**20, f"RSS grew by {(rss[1] - rss[0]) / 2**20:.1f} MiB over 150 chunks"
+    assert indices == list(range(num_chunks))
+    assert max(held) == 0 and run.session.chunks == []
+    assert len(set(cache_bytes[2:-1])) == 1  # constant once the window is full (the last chunk stores nothing)

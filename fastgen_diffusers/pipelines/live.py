@@ -294,7 +294,9 @@ class LiveRolloutMixin(CausalRolloutMixin):
                 before_rollout()
             first_index = session.num_chunks
             switches = {} if new_embeds is None else {first_index: new_embeds}
-            plan = ChunkPlan.from_bounds(bounds, session.schedule, first_index=first_index)
+            plan = ChunkPlan.from_bounds(
+                bounds, session.schedule, first_index=first_index, first_schedule=session.first_schedule
+            )
             for _ in self.run_policy(
                 session,
                 plan,

@@ -154,6 +154,11 @@ class CausalRolloutMixin:
         """Encode the call's conditioning into the [`Conditioner`] of its session. Text-to-video: text only."""
         return Conditioner()
 
+    def select_policy(self, options: RolloutOptions) -> RolloutPolicy:
+        """The [`RolloutPolicy`] that runs a call: the pipeline's ``default_policy`` (a policy option of the call,
+        e.g. a recompute or rolling-window policy, is resolved here)."""
+        return self.default_policy
+
     # ------------------------------------------------------------------ the prepare template
     def resolve_options(self, options: RolloutOptions) -> RolloutOptions:
         """``options`` with the pipeline's stored settings filling what the call left out.
@@ -257,11 +262,13 @@ class CausalRolloutMixin:
             guidance_scale=options.guidance_scale,
             context_noise=options.context_noise,
             schedule=schedule,
+            first_schedule=first_schedule,
             attention_kwargs=options.attention_kwargs,
             keep_history=options.keep_cache or (options.recache and bool(switches)),
             num_reference_frames=refs,
         )
-        return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs)
+        policy = self.select_policy(options)
+        return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
 
     def open_session(
         self,
@@ -272,6 +279,7 @@ class CausalRolloutMixin:
         guidance_scale: float = 1.0,
         context_noise: float = 0.0,
         schedule: Mapping[str, Any],
+        first_schedule: Mapping[str, Any] | None = None,
         attention_kwargs: dict[str, Any] | None = None,
         branch: str = MAIN_BRANCH,
         keep_history: bool = True,
@@ -286,6 +294,7 @@ class CausalRolloutMixin:
             guidance_scale=guidance_scale,
             context_noise=context_noise,
             schedule=schedule,
+            first_schedule=first_schedule,
             attention_kwargs=attention_kwargs,
             num_train_timesteps=self.scheduler.config.num_train_timesteps,
             branch=branch,
@@ -610,22 +619,13 @@ class CausalRolloutMixin:
 
     @staticmethod
     def check_kv_cache_inputs(kv_cache_engine: str | None, attention_window: int | None, sink_frames: int) -> None:
-        """Raise ``ValueError`` for an engine kind or window the engines cannot serve."""
+        """Raise ``ValueError`` for an engine kind or window the engines cannot serve (the window settings by
+        [`AttentionWindow`], the engines' own rule)."""
         if kv_cache_engine is not None and kv_cache_engine not in ENGINE_KINDS:
             raise ValueError(f"`kv_cache_engine` must be one of {ENGINE_KINDS} or None, got {kv_cache_engine!r}.")
         if kv_cache_engine is None and (attention_window is not None or sink_frames):
             raise ValueError("`attention_window`/`sink_frames` need a `kv_cache_engine` ('static' or 'vanilla').")
-        if attention_window is not None and (not isinstance(attention_window, int) or attention_window < 1):
-            raise ValueError(
-                f"`attention_window` must be a positive number of latent frames or None, got {attention_window!r}."
-            )
-        if not isinstance(sink_frames, int) or sink_frames < 0:
-            raise ValueError(f"`sink_frames` must be a non-negative number of latent frames, got {sink_frames!r}.")
-        if sink_frames and (attention_window is None or sink_frames >= attention_window):
-            raise ValueError(
-                f"`sink_frames={sink_frames}` must be smaller than `attention_window` ({attention_window}): the sink "
-                "lives inside the window."
-            )
+        AttentionWindow.from_arguments(attention_window, sink_frames)
 
     def check_rollout_inputs(
         self,

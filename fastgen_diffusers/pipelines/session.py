@@ -43,7 +43,8 @@ class RolloutSession:
         negative_prompt_embeds: ``(B, L', text_dim)`` of the unconditional branch (``guidance_scale > 1``).
         guidance_scale: classifier-free guidance weight; above 1 the unconditional branch has its own cache tag.
         context_noise: timestep of the cache pass; above 0 a generated chunk is re-noised to it first.
-        schedule: ``scheduler.set_timesteps`` arguments of the chunks after the first (a continuation uses them).
+        schedule: ``scheduler.set_timesteps`` arguments of the chunks (a continuation uses them).
+        first_schedule: those of chunk 0 when it has its own (Causal Forcing++; a redo of chunk 0 uses them).
         attention_kwargs: passed to the transformer (``scale`` for LoRA).
         num_train_timesteps: the scheduler's, to turn ``context_noise`` into a sigma.
         branch: the rollout branch (``"main"``: tags ``"pos"`` / ``"neg"``).
@@ -62,8 +63,9 @@ class RolloutSession:
         guidance_scale: float,
         context_noise: float,
         schedule: Mapping[str, Any],
-        attention_kwargs: dict[str, Any] | None,
-        num_train_timesteps: int,
+        first_schedule: Mapping[str, Any] | None = None,
+        attention_kwargs: dict[str, Any] | None = None,
+        num_train_timesteps: int = 1000,
         branch: str = MAIN_BRANCH,
         keep_history: bool = True,
         num_reference_frames: int = 0,
@@ -75,6 +77,7 @@ class RolloutSession:
         self.guidance_scale = guidance_scale
         self.context_noise = context_noise
         self.schedule = schedule
+        self.first_schedule = first_schedule
         self.attention_kwargs = attention_kwargs
         self.num_train_timesteps = num_train_timesteps
         self.branch = branch
