@@ -9,7 +9,7 @@ embeddings.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
@@ -69,20 +69,17 @@ def expand_videos_per_prompt(arguments: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_prompt_schedule(
-    pipe: Any, schedule: Mapping[int, Any], num_frames: int, chunk_size: int | None, leading_frames: int = 0
+    pipe: Any, schedule: Mapping[int, Any], bounds: Sequence[tuple[int, int]], leading_frames: int = 0
 ) -> None:
     """``ValueError`` for a prompt schedule whose switches do not map to chunks of this call (a switch past the last
-    chunk, two switches in one chunk), raised before any prompt is encoded.
+    chunk, two switches in one chunk), raised before any prompt is encoded (the pipeline's ``prompt_switch_chunks``
+    rule, run on the frames alone).
 
     Args:
         schedule: ``{pixel_frame: prompt}`` of the switches after frame 0.
-        num_frames: pixel frames of the rollout (the video's plus VACE's reference frames).
+        bounds: ``[start, end)`` latent frames of the rollout's chunks (VACE's reference frames included).
         leading_frames: latent frames before the video's frame 0 (VACE's reference images).
     """
-    if not schedule:
-        return
-    num_latent_frames = (num_frames - 1) // pipe.vae_scale_factor_temporal + 1
-    bounds = pipe.rollout_chunk_bounds(num_latent_frames, chunk_size)
     video_bounds = [(max(start - leading_frames, 0), end - leading_frames) for start, end in bounds]
     pipe.prompt_switch_chunks(dict.fromkeys(schedule), video_bounds)
 

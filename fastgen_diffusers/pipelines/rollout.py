@@ -219,7 +219,7 @@ class CausalRolloutMixin:
         bounds = self.rollout_chunk_bounds(num_latent_frames, options.chunk_size)
         self.check_conditioning_fits(options, bounds)
         check_window_fits_chunks(options.attention_window, options.sink_frames, bounds)
-        check_prompt_schedule(self, prompt_schedule, shape.num_frames, options.chunk_size, shape.num_reference_frames)
+        check_prompt_schedule(self, prompt_schedule, bounds, shape.num_reference_frames)
 
         # 2. Encode input prompt
         device = self._execution_device
