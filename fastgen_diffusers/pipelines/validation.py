@@ -72,6 +72,8 @@ def check_number_sequence(name: str, values: Any) -> None:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise ArgumentTypeError(f"`{name}` must be a list of numbers, got {_type_name(values)}.")
     for value in values:
+        if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_meta:
+            value = value.item()
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ArgumentTypeError(
                 f"`{name}` must be a flat list of numbers, got an element {value!r} ({_type_name(value)})."
