@@ -223,3 +223,34 @@ def test_a_200_chunk_windowed_stream_keeps_memory_flat():
     assert indices == list(range(num_chunks))
     assert max(held) == 0 and run.session.chunks == []
     assert len(set(cache_bytes[2:-1])) == 1  # constant once the window is full (the last chunk stores nothing)
+
+
+# ------------------------------------------------------------------------------------------------ policies
+def test_call_stream_continue_and_redo_all_run_the_selected_policy():
+    from fastgen_diffusers.pipelines import SequentialPolicy, WanCausalPipeline
+    from fastgen_diffusers.testing import tiny_components
+
+    class RecordingPolicy(SequentialPolicy):
+        def __init__(self):
+            self.runs = []
+
+        def run(self, pipe, session, plan, source, **kwargs):
+            self.runs.append([span.index for span in plan.spans])
+            yield from super().run(pipe, session, plan, source, **kwargs)
+
+    policy = RecordingPolicy()
+
+    class Pipeline(WanCausalPipeline):
+        default_policy = policy
+
+    pipe = Pipeline(**tiny_components())
+    pipe.set_progress_bar_config(disable=True)
+    reference = tiny_pipeline()
+    reference.set_progress_bar_config(disable=True)
+    call = {**T2V, "num_inference_steps": 1}
+    assert torch.equal(pipe(**call, generator=_seed(0)).frames, reference(**call, generator=_seed(0)).frames)
+    list(pipe.stream(**call, keep_cache=True))
+    pipe.continue_rollout(4, output_type="latent")
+    pipe.redo_last_chunk(output_type="latent")
+    assert policy.runs == [[0, 1, 2], [0, 1, 2], [3], [3]]
+    pipe.discard_rollout()
