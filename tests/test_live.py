@@ -104,7 +104,7 @@ def test_engine_rewind_and_copy_tag(pipe):
     assert engine.num_stored_frames("copy") == 0
 
 
-def test_interrupted_continuation_discards_only_its_branch(pipe):
+def test_failed_continuation_keeps_its_branch_prefix_and_leaves_the_others(pipe):
     pipe(prompt_embeds=_embeds(1), generator=_seed(0), keep_cache=True, **CALL)
     pipe.fork_rollout("alt")
 
@@ -117,8 +117,10 @@ def test_interrupted_continuation_discards_only_its_branch(pipe):
             pipe.continue_rollout(12, branch="alt")
     finally:
         hook.remove()
-    assert pipe.rollout_branches == ["main"]
-    assert pipe.transformer.kv_cache_engines["main"].num_stored_frames("alt/pos") == 0
-    with pytest.raises(ValueError, match="No kept rollout"):
-        pipe.continue_rollout(12, branch="alt")
+    assert pipe.rollout_branches == ["main", "alt"]
+    assert pipe.transformer.kv_cache_engines["main"].num_stored_frames("alt/pos") == 9
+    assert pipe.kept_rollout("alt").num_latent_frames == 9
+    retried = pipe.continue_rollout(12, branch="alt", generator=_seed(3), output_type="latent").frames
+    expected = pipe.continue_rollout(12, branch="main", generator=_seed(3), output_type="latent").frames
+    torch.testing.assert_close(retried, expected, rtol=0, atol=0)
     pipe.discard_rollout()

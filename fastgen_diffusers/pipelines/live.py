@@ -29,11 +29,13 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..chunking import ChunkPlan, chunk_bounds, chunk_layout
 from ..parallel import is_main_process
+from .guard import BranchCheckpoint, exclusive_rollout
 from .records import ChunkRecord, RolloutChunk, StreamChunk
 from .rollout import OUTPUT_TYPES, CausalRolloutMixin
 from .session import MAIN_BRANCH, RolloutSession, branch_cache_tags
 from .sources import NoiseSource
 from .streaming_decode import StreamingWanDecoder
+from .validation import validate_call_arguments
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 
@@ -55,6 +57,7 @@ class LiveRolloutMixin(CausalRolloutMixin):
     """Streaming and kept-rollout editing (continue, redo, fork) on top of [`CausalRolloutMixin`]."""
 
     # ------------------------------------------------------------------ streaming
+    @exclusive_rollout("stream()")
     def stream(self, *args, **kwargs) -> Iterator[ChunkRecord]:
         r"""Generate like ``__call__`` (same arguments), yielding each chunk as soon as it is done.
 
@@ -64,8 +67,9 @@ class LiveRolloutMixin(CausalRolloutMixin):
         cache carried across chunks: ``np.concatenate([c.frames for c in pipe.stream(...)], axis=1)`` equals
         ``pipe(...).frames`` exactly. Closing the generator early (``break``, ``.close()``, an exception in the
         consumer) closes the rollout, which frees the caches: the pipeline is then as fresh as before. With
-        ``keep_cache=True`` the rollout is kept once the last chunk is handed out. Do not call the pipeline while one
-        of its streams is open; they share the KV caches. ``return_dict`` is ignored. Every step runs under
+        ``keep_cache=True`` the rollout is kept once the last chunk is handed out. While a stream is open (from its
+        first chunk to its end or close) it holds the KV caches: calling the pipeline, its kept-rollout methods or
+        another stream raises a ``RuntimeError`` naming it. ``return_dict`` is ignored. Every step runs under
         ``torch.no_grad`` as ``__call__`` does; the caller's grad mode is left as it is between chunks. The stream
         holds no chunk after handing it out (unless ``keep_cache`` or a recache needs them), so a long windowed
         stream runs in flat memory.
@@ -108,6 +112,7 @@ class LiveRolloutMixin(CausalRolloutMixin):
         return replace(chunk, frames=frames, frame_start=frame_start)
 
     # ------------------------------------------------------------------ kept rollouts
+    @exclusive_rollout("fork_rollout()")
     def fork_rollout(self, branch: str, source: str = MAIN_BRANCH) -> None:
         """Copy the kept rollout ``source`` (its KV caches under new tags, its chunks, its conditioner) to a new
         branch ``branch``.
@@ -122,6 +127,7 @@ class LiveRolloutMixin(CausalRolloutMixin):
             raise ValueError(f"Branch {branch!r} exists already (kept: {self.rollout_branches}); pick a new name.")
         self._sessions[branch] = kept.fork(branch)
 
+    @exclusive_rollout("continue_rollout()")
     @torch.no_grad()
     def continue_rollout(
         self,
@@ -188,6 +194,7 @@ class LiveRolloutMixin(CausalRolloutMixin):
             output_type, return_dict, max_sequence_length,
         )  # fmt: skip
 
+    @exclusive_rollout("redo_last_chunk()")
     @torch.no_grad()
     def redo_last_chunk(
         self,
@@ -245,6 +252,17 @@ class LiveRolloutMixin(CausalRolloutMixin):
         ``before_rollout`` runs once every input is checked and encoded, right before the rollout (``redo`` drops
         the chunk it regenerates there, so that a bad input leaves the kept rollout as it was).
         """
+        validate_call_arguments(
+            {
+                "prompt": prompt,
+                "prompt_embeds": prompt_embeds,
+                "recache": recache,
+                "generator": generator,
+                "latents": latents,
+                "return_dict": return_dict,
+                "max_sequence_length": max_sequence_length,
+            }
+        )
         if prompt is not None and prompt_embeds is not None:
             raise ValueError("Pass either `prompt` or `prompt_embeds`, not both.")
         if output_type not in OUTPUT_TYPES:
@@ -268,25 +286,29 @@ class LiveRolloutMixin(CausalRolloutMixin):
             latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
         elif tuple(latents.shape) != shape:
             raise ValueError(f"`latents` must have shape {shape} (B, C, F, H, W), got {tuple(latents.shape)}.")
-        session.conditioner.extend(bounds[-1][1])
-        if before_rollout is not None:
-            before_rollout()
-        first_index = session.num_chunks
-        switches = {} if new_embeds is None else {first_index: new_embeds}
-        plan = ChunkPlan.from_bounds(
-            bounds, session.schedule, first_index=first_index, first_schedule=session.first_schedule
-        )
-        for _ in self.run_policy(
-            session,
-            plan,
-            NoiseSource(latents.to(device, torch.float32), start_frame=bounds[0][0]),
-            generator=generator,
-            keep_cache=True,
-            prompt_switches=switches,
-            recache=recache,
-            resume=True,
-        ):
-            pass
+        # A continuation that fails or is interrupted puts the branch back as it was, so that a retry works.
+        rewrites_prefix = before_rollout is not None or (recache and new_embeds is not None)
+        with BranchCheckpoint(self, branch, rewrites_prefix) as checkpoint:
+            session.conditioner.extend(bounds[-1][1])
+            if before_rollout is not None:
+                before_rollout()
+            first_index = session.num_chunks
+            switches = {} if new_embeds is None else {first_index: new_embeds}
+            plan = ChunkPlan.from_bounds(
+                bounds, session.schedule, first_index=first_index, first_schedule=session.first_schedule
+            )
+            for _ in self.run_policy(
+                session,
+                plan,
+                NoiseSource(latents.to(device, torch.float32), start_frame=bounds[0][0]),
+                generator=generator,
+                keep_cache=True,
+                prompt_switches=switches,
+                recache=recache,
+                resume=True,
+            ):
+                pass
+            checkpoint.commit_if(session.num_latent_frames == bounds[-1][1])
         return self.finish_output(self.kept_rollout(branch).video_latents, output_type, return_dict)
 
 

@@ -46,6 +46,7 @@ class RolloutOptions:
     attention_window: int | None = None
     sink_frames: int | None = None
     kv_cache_engine: str | None = "static"
+    num_videos_per_prompt: int = 1
 
 
 @dataclass(kw_only=True)

@@ -37,6 +37,8 @@ from .options import RolloutOptions
 from .rollout import OUTPUT_TYPES, RolloutShape
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
+# The "Loaded <component> as <class> ..." lines of the components loaded here go where diffusers logs its own.
+loading_logger = logging.get_logger(DiffusionPipeline.__module__)
 
 CAUSAL_SHIFT = 5.0
 HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision")
@@ -127,9 +129,10 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         scheduler ([`FlowMatchEulerDiscreteScheduler`]):
             The few-step sampler, `FlowMatchEulerDiscreteScheduler(shift=5.0, stochastic_sampling=True)`: predict x0,
             then re-noise with fresh noise.
-        transformer ([`WanCausalTransformer3DModel`]):
+        transformer ([`WanCausalTransformer3DModel`], *optional*):
             The causal transformer. A plain `WanTransformer3DModel` is converted (weights shared) by
-            [`~WanCausalPipeline.from_pretrained`] and [`~WanCausalPipeline.from_pipe`].
+            [`~WanCausalPipeline.from_pretrained`] and [`~WanCausalPipeline.from_pipe`]. `None` (with `vae` and
+            `scheduler` `None` too, as diffusers allows) builds a pipeline that serves `encode_prompt` alone.
         timesteps (`list[float]`, *optional*):
             Stored default timesteps of every chunk (a converted student's), used when a call names no schedule.
         context_noise (`float`, defaults to `0.0`):
@@ -140,10 +143,14 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             Stored default sliding attention window in latent frames (the one the student was trained with).
         sink_frames (`int`, defaults to `0`):
             Stored default sink frames of the window.
+
+    A pipeline runs one rollout at a time: its KV caches live in the transformer. A call while a `stream()` of the same
+    pipeline (or of one sharing its transformer) is open, or from a second thread while one runs, raises a
+    `RuntimeError` at once; use one pipeline per thread.
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
-    _optional_components = ["tokenizer", "text_encoder"]
+    _optional_components = ["tokenizer", "text_encoder", "transformer"]
     _transformer_class = WanCausalTransformer3DModel
 
     def __init__(
@@ -160,7 +167,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         sink_frames: int = 0,
     ):
         super().__init__()
-        if not isinstance(transformer, self._transformer_class):
+        if transformer is not None and not isinstance(transformer, self._transformer_class):
             raise ValueError(
                 f"`transformer` must be a {self._transformer_class.__name__}, got {type(transformer).__name__}. Load "
                 f"with `{type(self).__name__}.from_pretrained` / `.from_pipe`, which convert a plain Wan transformer, "
@@ -190,25 +197,38 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
 
         Unless given as `transformer=`, the `transformer` subfolder loads as the class's causal transformer
         (`_transformer_class`: [`WanCausalTransformer3DModel`], or the VACE one; bit-identical weights; a saved
-        causal config keeps its `chunk_size`). Unless given as `scheduler=`, the
-        scheduler is built by [`causal_scheduler_from_config`] from the saved one. Every other argument is
+        causal config keeps its `chunk_size`), after diffusers has loaded and checked the other components
+        (`variant=`, Hub files). Unless given as `scheduler=`, the scheduler is built by
+        [`causal_scheduler_from_config`] from the saved one. Every other argument is
         [`DiffusionPipeline.from_pretrained`]'s.
         """
         hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
-        if "transformer" not in kwargs:
-            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))  # diffusers 0.42 renamed `torch_dtype`
-            if isinstance(dtype, dict):
-                dtype = dtype.get("transformer", dtype.get("default"))
-            model_kwargs = {key: kwargs[key] for key in ("variant", "use_safetensors") if key in kwargs}
-            kwargs["transformer"] = cls._transformer_class.from_pretrained(
-                pretrained_model_name_or_path, subfolder="transformer", dtype=dtype, **model_kwargs, **hub_kwargs
-            )
+        load_transformer = "transformer" not in kwargs
         if "scheduler" not in kwargs:
             config = FlowMatchEulerDiscreteScheduler.load_config(
                 pretrained_model_name_or_path, subfolder="scheduler", **hub_kwargs
             )
             kwargs["scheduler"] = causal_scheduler_from_config(config)
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+            scheduler_class = type(kwargs["scheduler"]).__name__
+            loading_logger.info(
+                f"Loaded scheduler as {scheduler_class} from `scheduler` subfolder of {pretrained_model_name_or_path}."
+            )
+        # diffusers loads (and checks: `variant`, the Hub, the offline cache) every other component first.
+        pipe = super().from_pretrained(pretrained_model_name_or_path, **{"transformer": None, **kwargs})
+        if load_transformer:
+            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))  # diffusers 0.42 renamed `torch_dtype`
+            if isinstance(dtype, dict):
+                dtype = dtype.get("transformer", dtype.get("default"))
+            model_kwargs = {key: kwargs[key] for key in ("variant", "use_safetensors") if key in kwargs}
+            transformer = cls._transformer_class.from_pretrained(
+                pretrained_model_name_or_path, subfolder="transformer", dtype=dtype, **model_kwargs, **hub_kwargs
+            )
+            pipe.register_modules(transformer=transformer)
+            loading_logger.info(
+                f"Loaded transformer as {type(transformer).__name__} from `transformer` subfolder of "
+                f"{pretrained_model_name_or_path}."
+            )
+        return pipe
 
     @classmethod
     def from_pipe(cls, pipeline: DiffusionPipeline, **kwargs) -> WanCausalPipeline:
@@ -304,8 +324,6 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                     f"`negative_prompt` has {len(negative_prompt)} entries but the prompt batch is {batch_size}: pass "
                     f"one negative prompt, or a list of {batch_size}."
                 )
-            if negative_prompt is not None and type(negative_prompt) is not type(prompt) and prompt is not None:
-                raise ValueError("`negative_prompt` must be of the same type as `prompt` (both str or both lists).")
 
         if isinstance(o.generator, list) and len(o.generator) != batch_size:
             raise ValueError(
@@ -370,6 +388,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         attention_window: int | None = None,
         sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
+        num_videos_per_prompt: int = 1,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -453,6 +472,9 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             kv_cache_engine (`str`, *optional*, defaults to `"static"`):
                 `"static"` (buffers allocated once, written in place), `"vanilla"` (a list of chunk tensors) or `None`
                 to keep the engines set on the transformer (`transformer.set_kv_cache_engines`).
+            num_videos_per_prompt (`int`, defaults to `1`):
+                Videos per prompt, as in diffusers: the prompts (and their embeddings) are repeated, so `latents` and a
+                list of `generator`s cover `batch * num_videos_per_prompt` videos.
 
         Examples:
 
@@ -490,5 +512,6 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 attention_window=attention_window,
                 sink_frames=sink_frames,
                 kv_cache_engine=kv_cache_engine,
+                num_videos_per_prompt=num_videos_per_prompt,
             )
         )

@@ -146,7 +146,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
     """
 
     model_cpu_offload_seq = "text_encoder->image_encoder->transformer->vae"
-    _optional_components = ["tokenizer", "text_encoder", "image_processor", "image_encoder"]
+    _optional_components = ["tokenizer", "text_encoder", "transformer", "image_processor", "image_encoder"]
     _options_class = ImageToVideoOptions
 
     def __init__(
@@ -432,6 +432,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         attention_window: int | None = None,
         sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
+        num_videos_per_prompt: int = 1,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -509,6 +510,9 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 First latent frames that stay inside the window for ever (default: the stored `sink_frames`).
             kv_cache_engine (`str`, *optional*, defaults to `"static"`):
                 `"static"`, `"vanilla"` or `None` (keep the transformer's engines).
+            num_videos_per_prompt (`int`, defaults to `1`):
+                Videos per prompt, as in diffusers: the prompts (and their embeddings) are repeated, so `latents` and a
+                list of `generator`s cover `batch * num_videos_per_prompt` videos.
 
         Examples:
 
@@ -548,5 +552,6 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 attention_window=attention_window,
                 sink_frames=sink_frames,
                 kv_cache_engine=kv_cache_engine,
+                num_videos_per_prompt=num_videos_per_prompt,
             )
         )

@@ -257,6 +257,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         attention_window: int | None = None,
         sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
+        num_videos_per_prompt: int = 1,
     ) -> WanPipelineOutput | tuple:
         r"""
         Generate a video steered by a control video, its mask and reference images.
@@ -280,6 +281,8 @@ class WanCausalVACEPipeline(WanCausalPipeline):
                 Required for `vace_hint_refresh_interval > 1`.
             attention_window, sink_frames, kv_cache_engine:
                 The KV-cache engines of both branches ("main" and "vace"), as in [`WanCausalPipeline.__call__`].
+            num_videos_per_prompt (`int`, defaults to `1`):
+                Videos per prompt, as in [`WanCausalPipeline.__call__`]; the control inputs are shared.
 
         Returns:
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`, as [`WanCausalPipeline`].
@@ -319,5 +322,6 @@ class WanCausalVACEPipeline(WanCausalPipeline):
                 attention_window=attention_window,
                 sink_frames=sink_frames,
                 kv_cache_engine=kv_cache_engine,
+                num_videos_per_prompt=num_videos_per_prompt,
             )
         )

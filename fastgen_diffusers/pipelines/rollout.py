@@ -29,7 +29,9 @@ from diffusers.utils.torch_utils import get_module_execution_device
 from ..chunking import ChunkPlan, chunk_bounds, chunk_layout
 from ..kv_cache import ENGINE_KINDS, AttentionWindow, make_engines
 from ..parallel import is_main_process
+from .arguments import check_prompt_schedule, prepare_call_options
 from .conditioning import Conditioner
+from .guard import exclusive_rollout, warn_discarding_kept_rollouts
 from .options import RolloutOptions
 from .policy import RolloutPolicy, SequentialPolicy
 from .prompts import PromptScheduleMixin
@@ -207,7 +209,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         Returns:
             The [`RolloutRun`] to roll out.
         """
-        options = self.resolve_options(options)
+        options = self.resolve_options(prepare_call_options(self, options))
 
         # 1. Check inputs. Raise error if not correct
         prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(options.prompt, options.prompt_embeds)
@@ -220,6 +222,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         bounds = self.rollout_chunk_bounds(num_latent_frames, options.chunk_size)
         self.check_conditioning_fits(options, bounds)
         check_window_fits_chunks(options.attention_window, options.sink_frames, bounds)
+        check_prompt_schedule(self, prompt_schedule, bounds, shape.num_reference_frames)
 
         # 2. Encode input prompt
         device = self._execution_device
@@ -302,6 +305,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
             num_reference_frames=num_reference_frames,
         )
 
+    @exclusive_rollout("pipe(...)")
     def generate(self, options: RolloutOptions) -> WanPipelineOutput | tuple:
         """The body of every causal pipeline's ``__call__``: prepare, roll out chunk by chunk, decode."""
         run = self.prepare_rollout(options)
@@ -347,7 +351,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         normal or not, the caches are freed unless ``keep_cache`` is set and the last chunk was handed out (then the
         session is kept as its branch); an exception, an interruption (``self._interrupt = True`` from a callback)
         or closing the generator early therefore leaves the pipeline exactly as fresh as before (a resumed rollout
-        discards its own branch only).
+        leaves its branch to the caller: ``continue_rollout`` and ``redo_last_chunk`` restore it).
         """
         policy = policy or self.default_policy
         self._guidance_scale = session.guidance_scale
@@ -355,6 +359,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         self._current_timestep = None
         self._interrupt = False
         if not resume:
+            warn_discarding_kept_rollouts(self)
             self.discard_rollout()
         kept = False
         try:
@@ -376,8 +381,9 @@ class CausalRolloutMixin(PromptScheduleMixin):
                 yield chunk
         finally:
             self._current_timestep = None
-            if not kept:
-                self.discard_rollout(session.branch if resume else None)
+            if not kept and not resume:
+                self.discard_rollout()
+            # An unfinished continuation leaves its branch to the caller, which restores it (`BranchCheckpoint`).
 
     def rollout(
         self,
@@ -485,6 +491,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         check_window_fits_chunks(attention_window, sink_frames, chunk_bounds)
         if kv_cache_engine is None:
             return
+        warn_discarding_kept_rollouts(self)
         self.discard_rollout()  # kept rollouts live in the engines being replaced
         engines = make_engines(
             self.transformer,
