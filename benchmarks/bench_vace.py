@@ -38,9 +38,9 @@ CONFIG = {
 class TimedPipeline(WanCausalVACEPipeline):
     """Records the wall time of each rollout (the denoising and cache passes, without VAE work)."""
 
-    def rollout(self, *args, **kwargs):
+    def run_policy(self, *args, **kwargs):
         start = time.perf_counter()
-        yield from super().rollout(*args, **kwargs)
+        yield from super().run_policy(*args, **kwargs)
         self.rollout_seconds = time.perf_counter() - start
 
 

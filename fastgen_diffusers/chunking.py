@@ -1,10 +1,15 @@
 """How a run of latent frames is split into causal chunks.
 
 One rule serves every caller (the transformer's block-causal mask, the rollout pipelines, training code):
-the first chunk absorbs the remainder, or is a single frame when ``independent_first_frame`` is set.
+the first chunk absorbs the remainder, or is a single frame when ``independent_first_frame`` is set. The rollout's
+leaf value types live here too: a [`ChunkSpan`] (index, start, end) and a [`ChunkPlan`] (spans + per-chunk schedule).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 
 def chunk_layout(num_frames: int, chunk_size: int, independent_first_frame: bool = False) -> tuple[int, ...]:
@@ -34,3 +39,68 @@ def chunk_bounds(layout: tuple[int, ...], start_frame: int = 0) -> list[tuple[in
         bounds.append((start, start + size))
         start += size
     return bounds
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """One chunk of a rollout: its position ``index`` and its latent frames ``[start, end)``."""
+
+    index: int
+    start: int
+    end: int
+
+    @property
+    def num_frames(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The chunks a policy runs and the sampling schedule of each.
+
+    Args:
+        spans: the chunks, in order, contiguous.
+        schedules: one ``scheduler.set_timesteps`` keyword dict per span (Causal Forcing++ samples its first chunk on
+            other timesteps than the later ones).
+    """
+
+    spans: tuple[ChunkSpan, ...]
+    schedules: tuple[Mapping[str, Any], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.spans) != len(self.schedules):
+            raise ValueError(
+                f"A chunk plan needs one schedule per span: {len(self.spans)} spans, {len(self.schedules)} schedules."
+            )
+
+    @classmethod
+    def from_bounds(
+        cls,
+        bounds: Sequence[tuple[int, int]],
+        schedule: Mapping[str, Any],
+        *,
+        first_index: int = 0,
+        first_schedule: Mapping[str, Any] | None = None,
+    ) -> ChunkPlan:
+        """A plan over ``bounds`` (``[start, end)`` pairs) numbered from ``first_index``: every chunk on
+        ``schedule``, except chunk 0 on ``first_schedule`` when given."""
+        spans = tuple(ChunkSpan(i, start, end) for i, (start, end) in enumerate(bounds, first_index))
+        schedules = tuple(
+            first_schedule if span.index == 0 and first_schedule is not None else schedule for span in spans
+        )
+        return cls(spans, schedules)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __iter__(self) -> Iterator[tuple[ChunkSpan, Mapping[str, Any]]]:
+        return iter(zip(self.spans, self.schedules))
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        return [(span.start, span.end) for span in self.spans]
+
+    @property
+    def end(self) -> int:
+        """One past the last latent frame of the plan."""
+        return self.spans[-1].end

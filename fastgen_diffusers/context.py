@@ -10,14 +10,7 @@ import torch
 from torch import nn
 
 from .kv_cache import BaseKVCacheEngine, CrossKVMode
-from .kv_cache.masks import (
-    build_flex_block_causal_mask,
-    build_flex_window_mask,
-    build_sdpa_block_causal_mask,
-    build_sdpa_window_mask,
-)
-
-MASK_BACKENDS = ("sdpa", "flex")
+from .kv_cache.masks import MASK_BACKENDS, BlockMaskMemo  # noqa: F401  (MASK_BACKENDS: re-exported)
 
 
 @dataclass
@@ -31,11 +24,11 @@ class CausalContext:
         start_frame: absolute latent index of the first frame of this call.
         num_frames: latent frames in this call.
         frame_seqlen: tokens per latent frame after patching.
-        chunk_size: latent frames per chunk (the model's config).
         chunk_layout: frame counts of the chunks this call is split into (block-causal inside the call).
         image_context_length: image tokens that precede the text tokens in the cross-attention context (Wan2.1 I2V).
         cross_modes: ``id(engine) -> CrossKVMode``, decided once per forward by the model.
         mask_backend: ``"sdpa"`` (boolean mask) or ``"flex"`` (FlexAttention ``BlockMask``) for multi-chunk calls.
+        block_masks: the memo the masks of multi-chunk calls come from (the model's, kept across forwards).
         committed: set once the forward's cache writes are committed; a gradient-checkpointing recompute of its
             blocks then writes nothing again.
     """
@@ -46,11 +39,11 @@ class CausalContext:
     start_frame: int = 0
     num_frames: int = 1
     frame_seqlen: int = 1
-    chunk_size: int = 3
     chunk_layout: tuple[int, ...] = (1,)
     image_context_length: int = 0
     cross_modes: dict[int, CrossKVMode] = field(default_factory=dict)
     mask_backend: str = "sdpa"
+    block_masks: BlockMaskMemo = field(default_factory=BlockMaskMemo)
     committed: bool = False
 
     @property
@@ -79,33 +72,6 @@ class CausalContext:
         """
         if not self.is_multi_chunk:
             return None
-        first_chunk = self.chunk_layout[0]
-        if engine.window_frames is None:
-            prefix_frames = engine.visible_prefix_frames(self.cache_tag, self.start_frame, first_chunk)
-            prefix_tokens = prefix_frames * self.frame_seqlen
-            builder = build_flex_block_causal_mask if self.mask_backend == "flex" else build_sdpa_block_causal_mask
-            return engine.block_mask(
-                device,
-                self.num_frames,
-                self.frame_seqlen,
-                self.chunk_layout,
-                (self.mask_backend, prefix_frames),
-                lambda: builder(self.chunk_layout, self.frame_seqlen, prefix_tokens, device),
-            )
-        sink_end, recent_start = engine.visible_window(self.start_frame, first_chunk)
-        window, sink = engine.window_frames, engine.sink_frames
-        window_builder = build_flex_window_mask if self.mask_backend == "flex" else build_sdpa_window_mask
-        # The pattern depends on the start frame only through what the prefix holds and, near the start of the
-        # video, through which of the call's own frames are sink frames.
-        kind = (self.mask_backend, "window", window, sink, sink_end, self.start_frame - recent_start)
-        kind += (min(self.start_frame, sink),)
-        return engine.block_mask(
-            device,
-            self.num_frames,
-            self.frame_seqlen,
-            self.chunk_layout,
-            kind,
-            lambda: window_builder(
-                self.chunk_layout, self.frame_seqlen, self.start_frame, sink_end, recent_start, window, sink, device
-            ),
+        return self.block_masks.get(
+            self.mask_backend, engine.window, self.start_frame, self.chunk_layout, self.frame_seqlen, device
         )

@@ -17,6 +17,7 @@ from fastgen_diffusers import (
     expected_self_cache_bytes,
     wan_transformer_from_causal,
 )
+from fastgen_diffusers.pipelines import GivenFramesConditioner
 from fastgen_diffusers.testing import TINY_TRANSFORMER_CONFIG, tiny_components, tiny_pipeline
 
 HEIGHT = WIDTH = 32  # 4x4 latents, 2x2 tokens per frame
@@ -233,8 +234,8 @@ def test_callback_progress_bar_and_output_types(pipe):
 
 def test_context_chunks_are_cached_not_denoised():
     class FirstChunkGiven(WanCausalPipeline):
-        def context_chunk_latents(self, chunk_index, start, end):
-            return self.given if chunk_index == 0 else None
+        def prepare_conditioner(self, options, shape, batch_size, device):
+            return GivenFramesConditioner(self.given)  # covers chunk [0, 1) only
 
     pipe = FirstChunkGiven(**tiny_components(independent_first_frame=True))
     pipe.set_progress_bar_config(disable=True)

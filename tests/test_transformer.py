@@ -112,10 +112,10 @@ def test_flex_attention_block_mask_equals_sdpa_mask(tiny_model, latents, prompt_
     tiny_model.set_block_mask_backend("flex")  # eager FlexAttention on CPU; compiled on CUDA
     flex = tiny_model(latents, timesteps, prompt_embeds, return_dict=False)[0]
     assert (flex - sdpa).abs().max().item() <= 1e-5
-    masks = tiny_model.kv_cache_engines["main"]._block_masks
+    masks = tiny_model.block_masks
     assert len(masks) == 1
-    (device, num_frames, frame_seqlen, layout, kind), _ = next(iter(masks.items()))
-    assert (num_frames, frame_seqlen, layout, kind) == (8, 15, (5, 3), ("flex", 0))
+    (backend, device, window, layout, frame_seqlen, sink_end, prefix_frames, own_sink) = masks.keys()[0]
+    assert (backend, layout, frame_seqlen, prefix_frames) == ("flex", (5, 3), 15, 0)
 
 
 @torch.no_grad()
@@ -124,10 +124,10 @@ def test_block_masks_are_keyed_by_the_chunk_layout(latents, prompt_embeds):
     model(latents[:, :, :7], torch.zeros(2), prompt_embeds)  # chunks (1, 3, 3)
     model(latents[:, :, :1], torch.zeros(2), prompt_embeds, store_kv=True)
     model(latents[:, :, 1:8], torch.zeros(2), prompt_embeds, start_frame=1)  # 7 frames again, chunks (4, 3)
-    keys = {key[1:] for key in model.kv_cache_engines["main"]._block_masks}
-    assert keys == {(7, 15, (1, 3, 3), ("sdpa", 0)), (7, 15, (4, 3), ("sdpa", 1))}
+    keys = {(key[3], key[4], key[0], key[6]) for key in model.block_masks.keys()}
+    assert keys == {((1, 3, 3), 15, "sdpa", 0), ((4, 3), 15, "sdpa", 1)}
     model.clear_caches()
-    assert model.kv_cache_engines["main"]._block_masks == {}
+    assert len(model.block_masks) == 0
 
 
 def test_bf16_keeps_rope_tables_and_qk_norm_in_high_precision(latents, prompt_embeds):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import numpy as np
 import PIL.Image
@@ -12,6 +13,7 @@ from conftest import TINY_WAN_CONFIG
 from diffusers import WanVACETransformer3DModel
 
 from fastgen_diffusers import VACEHintCache, WanCausalVACETransformer3DModel
+from fastgen_diffusers.pipelines import VACEConditioner
 
 TINY_VACE_CONFIG = {**TINY_WAN_CONFIG, "num_layers": 3, "vace_layers": [0, 2], "vace_in_channels": 96}
 CHUNK = 2
@@ -381,6 +383,11 @@ def test_vace_prompt_schedule_counts_video_frames_after_the_reference_frames():
     assert not torch.equal(plain[:, :, 3:], switched.frames[:, :, 3:])
 
 
+def live_conditioners(kind) -> int:
+    gc.collect()
+    return sum(type(obj) is kind for obj in gc.get_objects())
+
+
 def test_stream_leaves_the_reference_frames_out_and_releases_the_control():
     from fastgen_diffusers.testing import tiny_vace_pipeline
 
@@ -394,9 +401,9 @@ def test_stream_leaves_the_reference_frames_out_and_releases_the_control():
     # 1 reference + 6 video latent frames in chunks (4, 3): the first chunk decodes its 3 video latent frames.
     assert [(c.start, c.end, c.frame_start) for c in chunks] == [(0, 4, 0), (4, 7, 9)]
     assert np.array_equal(np.concatenate([c.frames for c in chunks], axis=1), expected)
-    assert pipe._vace_control is None and pipe._vace_scale is None
+    assert live_conditioners(VACEConditioner) == 0  # the control lives in the run's session, not on the pipe
     stream = pipe.stream(**common)
     next(stream)
-    assert pipe._vace_control is not None
+    assert live_conditioners(VACEConditioner) == 1 and pipe.rollout_branches == []
     stream.close()
-    assert pipe._vace_control is None
+    assert live_conditioners(VACEConditioner) == 0

@@ -1,18 +1,20 @@
-"""Shared storage, registration and rules of a KV-cache engine (one branch of a causal model).
+"""``BaseKVCacheEngine``: the call protocol of a KV-cache engine (one branch of a causal model) over its parts.
 
 An engine serves one branch of attention modules (``"main"``: ``transformer.blocks``, ``"vace"``:
-``transformer.vace_blocks``). Its entries are addressed by a block index local to the branch and a cache tag:
+``transformer.vace_blocks``) and is made of small parts, each in its own module:
 
-==================  ==========================================  ==========================================
-attribute           indexed by                                  holds
-==================  ==========================================  ==========================================
-``_self_kv``        ``[block_idx][cache_tag]``                  the self-attention entry (engine-specific)
-``_cross_kv``       ``[block_idx][cache_tag]``                  a :class:`CrossKVEntry`
-``_module_to_block````id(attn_module)``                         block index of a registered module
-``_block_masks``    ``(device, num_frames, frame_seqlen,``      memoized block-causal masks
-                    ``chunk_layout, mask_kind)``
-``_tags``           ``cache_tag``                               a :class:`TagState` (shape, dtype, frames)
-==================  ==========================================  ==========================================
+=====================  ==========================================  ==============================================
+part                   module                                      holds
+=====================  ==========================================  ==============================================
+``window``             :mod:`~fastgen_diffusers.kv_cache.window`   the window/sink rule (:class:`AttentionWindow`)
+``_tags``              :mod:`~fastgen_diffusers.kv_cache.tags`     per tag: layout, stored chunks, window position
+``_self_kv``           (the engine subclass)                       ``[block_idx][cache_tag]``: self-attention K/V
+``cross``              :mod:`~fastgen_diffusers.kv_cache.cross`    ``[block_idx][cache_tag]`` cross K/V + their source
+``blocks``             :mod:`~fastgen_diffusers.kv_cache.registry` ``id(attn_module) -> block index``
+=====================  ==========================================  ==============================================
+
+Block-causal masks are memoised by the model (:mod:`~fastgen_diffusers.kv_cache.masks`), byte formulas live in
+:mod:`~fastgen_diffusers.kv_cache.accounting`.
 
 Self-attention keys are stored after ``norm_k`` and RoPE, values as projected, both ``(B, tokens, H, D)`` and
 detached. The rules every engine keeps (checked by :meth:`BaseKVCacheEngine.check_call` before anything is
@@ -24,21 +26,19 @@ written):
 * a ``store_kv`` call writes frames ``[start_frame, start_frame + F)`` and drops anything stored after them, so
   re-running a stored chunk replaces it;
 * cross-attention K/V are filled by the first ``store_kv`` call of a tag, read by later no-grad calls with the same
-  conditioning, and recomputed (never read) when gradients are enabled or the conditioning differs.
+  conditioning (compared by content), and recomputed (never read) when gradients are enabled or it differs;
+* the engine operations of one forward form a transaction (:meth:`BaseKVCacheEngine.begin_transaction`): a forward
+  that fails midway is rolled back to exactly what the tag held before (frames, evictions, cross K/V, positions).
 
-Sliding window and sink (``window_frames``, ``sink_frames``; Self-Forcing's ``local_attn_size`` / ``sink_size``): a
-chunk attends to at most ``window_frames`` latent frames in total, counting its own frames and the first
-``sink_frames`` frames of the video, which are never evicted. A chunk ``[s, e)`` sees frame ``k`` iff ``k < e`` and
-(``k < sink_frames`` or ``k >= e - (window_frames - sink_frames)``). Eviction is per frame and the same in every
-engine: a call evicts the non-sink frames before its first chunk's window, a store keeps the sink and the last
-``window_frames - sink_frames`` frames. Keys are stored after RoPE, so positions stay absolute. A call that needs an
-evicted frame is an error (see :meth:`BaseKVCacheEngine.visible_window`).
+Sliding window and sink (``window_frames``, ``sink_frames``): the engine's :class:`AttentionWindow` (``self.window``)
+states the rule once; the engine evicts what it says is out of every later window, per frame and the same in every
+engine: a call evicts the non-sink frames before its first chunk's window, a store keeps the sink and the frames
+from :meth:`AttentionWindow.recent_start` on. Keys are stored after RoPE, so positions stay absolute. A call that
+needs an evicted frame is an error.
 """
 
 from __future__ import annotations
 
-import copy
-import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,65 +46,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from .conditioning import ConditioningKey
-
-
-class CrossKVMode(str, enum.Enum):
-    """What a cross-attention processor does with its cache entry in one forward."""
-
-    READ = "read"  # use the cached K/V, run no K/V projections
-    FILL = "fill"  # compute K/V, use them, and store them in the entry
-    COMPUTE = "compute"  # compute K/V and use them; the entry is left as it is
+from .accounting import tensor_bytes
+from .cross import ConditioningKey, CrossKVCache, CrossKVEntry, CrossKVMode
+from .registry import BlockRegistry
+from .tags import TagState, TagTable
+from .window import AttentionWindow
 
 
 @dataclass
-class CrossKVEntry:
-    """Cross-attention K/V of one block and tag: text ``(B, L_text, H, D)``, optional image ``(B, L_img, H, D)``."""
+class Transaction:
+    """What one forward may change of ``cache_tag``, as it was before the forward (see
+    :meth:`BaseKVCacheEngine.begin_transaction`). ``undo`` lists in-place writes to undo, newest last."""
 
-    key: torch.Tensor
-    value: torch.Tensor
-    key_img: torch.Tensor | None = None
-    value_img: torch.Tensor | None = None
-    is_init: bool = False
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.key, self.value, self.key_img, self.value_img) if t is not None]
-
-
-@dataclass
-class TagState:
-    """Layout and stored frames of one cache tag, shared by all blocks of an engine."""
-
-    batch_size: int
-    frame_seqlen: int
-    num_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-    chunk_starts: list[int] = field(default_factory=list)  # start frame of every stored chunk, ascending
-    num_frames: int = 0  # frames stored so far ("ever stored" for windowed engines)
-    evicted_before: int = 0  # windowed engines: the non-sink frames before it are no longer held
-    rope_offset: int = 0  # cached keys are rotated for temporal positions ``frame - rope_offset`` (RoPE re-basing)
-    cross_source: ConditioningKey | None = None
-
-    def layout(self) -> dict[str, Any]:
-        return {
-            "batch_size": self.batch_size,
-            "frame_seqlen": self.frame_seqlen,
-            "num_heads": self.num_heads,
-            "head_dim": self.head_dim,
-            "dtype": self.dtype,
-            "device": self.device,
-        }
-
-
-def expected_self_cache_bytes(
-    num_layers: int, batch_size: int, num_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """The cache formula: 2 (K and V) x layers x batch x heads x cached tokens x head_dim x bytes per element."""
-    return (
-        2 * num_layers * batch_size * num_heads * num_tokens * head_dim * torch.empty((), dtype=dtype).element_size()
-    )
+    cache_tag: str
+    state: TagState | None
+    self_entries: list[Any]
+    cross: tuple
+    undo: list[Callable[[], None]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class BaseKVCacheEngine:
@@ -113,7 +72,8 @@ class BaseKVCacheEngine:
     Subclasses implement :meth:`_new_self_entry`, :meth:`_self_prefix_pieces`, :meth:`append_self_kv`,
     :meth:`_truncate_self_entry`, :meth:`_evict_self_entry`, :meth:`_rotate_self_entry`, :meth:`_copy_self_entry`
     and :meth:`_self_entry_tensors`, and may override :meth:`self_attention_kv` to avoid building
-    ``[prefix | current]`` by concatenation.
+    ``[prefix | current]`` by concatenation. An engine that writes tensors in place records how to undo each write
+    in the open :class:`Transaction` (``self._transaction``).
 
     Args:
         window_frames: attend to at most this many latent frames per chunk (its own frames and the sink included);
@@ -122,27 +82,25 @@ class BaseKVCacheEngine:
     """
 
     def __init__(self, *, window_frames: int | None = None, sink_frames: int = 0) -> None:
-        if window_frames is not None and (isinstance(window_frames, bool) or not isinstance(window_frames, int)):
-            raise ValueError(f"`window_frames` must be None or a positive int, got {window_frames!r}.")
-        if window_frames is not None and window_frames < 1:
-            raise ValueError(f"`window_frames` must be None or a positive int, got {window_frames}.")
-        if isinstance(sink_frames, bool) or not isinstance(sink_frames, int) or sink_frames < 0:
-            raise ValueError(f"`sink_frames` must be an int >= 0, got {sink_frames!r}.")
-        if sink_frames and window_frames is None:
-            raise ValueError(f"`sink_frames={sink_frames}` needs a sliding window: set `window_frames` as well.")
-        if window_frames is not None and sink_frames >= window_frames:
-            raise ValueError(
-                f"`sink_frames` must leave room in the window for the chunk itself: got sink_frames={sink_frames} "
-                f"with window_frames={window_frames} (expected sink_frames < window_frames)."
-            )
-        self.window_frames = window_frames
-        self.sink_frames = sink_frames
+        self.window = AttentionWindow.from_arguments(window_frames, sink_frames, frames_name="window_frames")
+        self.blocks = BlockRegistry()
+        self._tags = TagTable()
         self._self_kv: list[dict[str, Any]] = []
-        self._cross_kv: list[dict[str, CrossKVEntry]] = []
-        self._module_to_block: dict[int, int] = {}
-        self._registered_blocks: list[tuple[nn.Module, ...]] = []
-        self._block_masks: dict[tuple, Any] = {}
-        self._tags: dict[str, TagState] = {}
+        self.cross = CrossKVCache()
+        self._transaction: Transaction | None = None
+
+    @property
+    def window_frames(self) -> int | None:
+        return self.window.frames
+
+    @property
+    def sink_frames(self) -> int:
+        return self.window.sink
+
+    @property
+    def _cross_kv(self) -> list[dict[str, CrossKVEntry]]:
+        """Cross entries ``[block_idx][cache_tag]``."""
+        return self.cross.entries
 
     # ------------------------------------------------------------------ registration
     def register_blocks(self, blocks: Sequence[nn.Module]) -> None:
@@ -150,54 +108,26 @@ class BaseKVCacheEngine:
 
         Registering again replaces the previous registration and empties the cache.
         """
-        self._registered_blocks = [(block.attn1, block.attn2) for block in blocks]
-        self._rebuild_module_index()
+        self.blocks = BlockRegistry(blocks)
         self.clear()
-
-    def _rebuild_module_index(self) -> None:
-        self._module_to_block = {
-            id(module): block_idx for block_idx, modules in enumerate(self._registered_blocks) for module in modules
-        }
 
     @property
     def num_blocks(self) -> int:
-        return len(self._registered_blocks)
+        return len(self.blocks)
 
     def owns(self, attn: nn.Module) -> bool:
-        return id(attn) in self._module_to_block
+        return self.blocks.owns(attn)
 
     def block_index(self, attn: nn.Module) -> int:
         """Branch-local block index of a registered attention module."""
-        try:
-            return self._module_to_block[id(attn)]
-        except KeyError:
-            raise RuntimeError(
-                f"{type(attn).__name__} at {id(attn):#x} is not registered with this {type(self).__name__} "
-                f"({self.num_blocks} blocks registered)."
-            ) from None
+        return self.blocks.block_index(attn, type(self).__name__)
 
-    def __deepcopy__(self, memo: dict) -> BaseKVCacheEngine:
-        # Registration is keyed by ``id(module)``. A deep copy of the model copies its modules first (``_modules`` is
-        # before ``kv_cache_engines`` in its state), so the copied engine re-keys on the copied modules and
-        # resolves its own model's attention; a copy of the engine alone keeps pointing at the same modules.
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for name, value in self.__dict__.items():
-            if name == "_registered_blocks":
-                value = [tuple(memo.get(id(module), module) for module in modules) for modules in value]
-                setattr(new, name, value)
-            else:
-                setattr(new, name, copy.deepcopy(value, memo))
-        new._rebuild_module_index()
-        return new
-
-    # ------------------------------------------------------------------ tag validation
+    # ------------------------------------------------------------------ tags and the window
     def tag_state(self, cache_tag: str) -> TagState | None:
         return self._tags.get(cache_tag)
 
     def num_stored_frames(self, cache_tag: str) -> int:
-        state = self._tags.get(cache_tag)
-        return 0 if state is None else state.num_frames
+        return self._tags.num_frames(cache_tag)
 
     def check_call(
         self,
@@ -217,90 +147,74 @@ class BaseKVCacheEngine:
         ``chunk_layout`` is the call's split into chunks (frame counts); windowed engines check that each chunk fits
         the window and that the frames its first chunk attends to are still held.
         """
-        self._check_window_layout(start_frame, chunk_layout)
-        state = self._tags.get(cache_tag)
-        stored = 0 if state is None else state.num_frames
-        if start_frame < 0:
-            raise ValueError(f"`start_frame` must be >= 0, got {start_frame}.")
-        if start_frame > stored:
-            raise ValueError(
-                f"`start_frame={start_frame}` leaves a hole: cache_tag {cache_tag!r} holds frames [0, {stored}) only. "
-                f"Run (with store_kv=True) the frames before it first, or start at a frame <= {stored}."
-            )
-        if state is None:
-            return
-        if start_frame not in state.chunk_starts and start_frame != stored:
-            raise ValueError(
-                f"`start_frame={start_frame}` is inside a stored chunk of cache_tag {cache_tag!r}; calls must start "
-                f"at a chunk boundary the cache can serve: one of {sorted(set(state.chunk_starts + [stored]))}."
-            )
-        self._check_evicted(state, cache_tag, start_frame, chunk_layout[0])
-        given = {
+        layout = {
             "batch_size": batch_size,
             "frame_seqlen": frame_seqlen,
             "num_heads": num_heads,
             "head_dim": head_dim,
             "dtype": dtype,
-            "device": torch.device(device),
+            "device": device,
         }
-        for name, expected in state.layout().items():
-            if given[name] != expected:
-                hint = " (a different resolution)" if name == "frame_seqlen" else ""
-                raise ValueError(
-                    f"cache_tag {cache_tag!r} holds entries with {name}={expected}, but this call has "
-                    f"{name}={given[name]}{hint}. Call `clear_caches()` (or use another cache_tag) before changing it."
-                )
-
-    def _check_window_layout(self, start_frame: int, chunk_layout: tuple[int, ...]) -> None:
-        """Every chunk must see all of its own frames: its non-sink frames must fit ``window - sink``."""
-        if self.window_frames is None:
-            return
-        room = self.window_frames - self.sink_frames
-        chunk_start = start_frame
-        for frames in chunk_layout:
-            chunk_end = chunk_start + frames
-            if chunk_end - max(chunk_start, self.sink_frames) > room:
-                raise ValueError(
-                    f"The chunk of latent frames [{chunk_start}, {chunk_end}) does not fit the attention window: "
-                    f"window_frames={self.window_frames} with sink_frames={self.sink_frames} leaves {room} frames for "
-                    f"a chunk's own non-sink frames, this chunk has {chunk_end - max(chunk_start, self.sink_frames)}. "
-                    "Use a larger `window_frames` (or smaller chunks)."
-                )
-            chunk_start = chunk_end
-
-    def _check_evicted(self, state: TagState, cache_tag: str, start_frame: int, first_chunk_frames: int) -> None:
-        """Raise when the first chunk of a call at ``start_frame`` attends to frames the window has evicted."""
-        _, recent_start = self.visible_window(start_frame, first_chunk_frames)
-        if recent_start < start_frame and recent_start < state.evicted_before:
-            raise ValueError(
-                f"A call at start_frame={start_frame} whose first chunk has {first_chunk_frames} frames attends to "
-                f"cached frames [{recent_start}, {start_frame}) of cache_tag {cache_tag!r}, but this engine "
-                f"(window_frames={self.window_frames}, sink_frames={self.sink_frames}) no longer holds the frames "
-                f"before {state.evicted_before}. Re-run the rollout from an earlier stored frame."
-            )
+        self._tags.check_call(cache_tag, self.window, start_frame, chunk_layout, layout)
 
     def visible_window(self, start_frame: int, first_chunk_frames: int) -> tuple[int, int]:
-        """``(sink_end, recent_start)``: the cached frames a call's first chunk attends to are
-        ``[0, sink_end)`` and ``[recent_start, start_frame)``.
+        """``(sink_end, recent_start)``: the cached frames a call's first chunk attends to are ``[0, sink_end)`` and
+        ``[recent_start, start_frame)`` (:meth:`AttentionWindow.visible`)."""
+        return self.window.visible(start_frame, first_chunk_frames)
 
-        Without a window that is every frame ``< start_frame`` (``(0, 0)``). With one, the first chunk of
-        ``first_chunk_frames`` frames ending at ``e = start_frame + first_chunk_frames`` sees the sink and the frames
-        ``>= e - (window_frames - sink_frames)``. Later chunks of a multi-chunk call see a subset of that prefix.
-        """
-        if self.window_frames is None:
-            return 0, 0
-        sink_end = min(self.sink_frames, start_frame)
-        recent_start = start_frame + first_chunk_frames - (self.window_frames - self.sink_frames)
-        return sink_end, min(max(sink_end, recent_start), start_frame)
+    def visible_prefix_frames(self, cache_tag: str, start_frame: int, first_chunk_frames: int) -> int:
+        """How many cached frames a call at ``start_frame`` whose first chunk has ``first_chunk_frames`` frames
+        attends to (every frame before it, or the window and sink)."""
+        return self.window.visible_frames(start_frame, first_chunk_frames)
 
     def held_frames(self, cache_tag: str) -> int:
         """Frames of ``cache_tag`` whose K/V the engine holds (the sink and the frames not evicted)."""
         state = self._tags.get(cache_tag)
-        if state is None:
-            return 0
-        sink_held = min(self.sink_frames, state.num_frames)
-        return sink_held + max(0, state.num_frames - max(self.sink_frames, state.evicted_before))
+        return 0 if state is None else self.window.held_frames(state.num_frames, state.evicted_before)
 
+    # ------------------------------------------------------------------ transactions
+    def begin_transaction(self, cache_tag: str) -> None:
+        """Remember what ``cache_tag`` holds, so that :meth:`rollback` restores it exactly.
+
+        The model opens one transaction per forward before its first engine operation and ends it once the
+        forward's writes are committed; a forward that fails midway is rolled back.
+        """
+        state = self._tags.get(cache_tag)
+        self._transaction = Transaction(
+            cache_tag,
+            None if state is None else state.copy(),
+            [self._snapshot_self_entry(per_tag.get(cache_tag)) for per_tag in self._self_kv],
+            self.cross.snapshot(cache_tag),
+        )
+
+    def end_transaction(self) -> None:
+        """Keep what the forward wrote (nothing is undone after this)."""
+        self._transaction = None
+
+    def rollback(self) -> None:
+        """Restore the tag of the open transaction to what it held when the transaction began, and end it."""
+        transaction, self._transaction = self._transaction, None
+        if transaction is None:
+            return
+        for undo in reversed(transaction.undo):
+            undo()
+        tag = transaction.cache_tag
+        self._tags.set(tag, transaction.state)
+        for per_tag, snapshot in zip(self._self_kv, transaction.self_entries):
+            if snapshot is None:
+                per_tag.pop(tag, None)
+            else:
+                per_tag[tag] = self._restore_self_entry(snapshot)
+        self.cross.restore(tag, transaction.cross)
+
+    def _snapshot_self_entry(self, entry: Any) -> Any:
+        """What :meth:`_restore_self_entry` needs to give ``entry`` back as it is now (``None`` stays ``None``)."""
+        return None if entry is None else self._copy_self_entry(entry)
+
+    def _restore_self_entry(self, snapshot: Any) -> Any:
+        return snapshot
+
+    # ------------------------------------------------------------------ the forward's operations
     def begin_call(self, cache_tag: str, start_frame: int, first_chunk_frames: int) -> None:
         """Evict (windowed engines) the non-sink frames before the window of a call about to run.
 
@@ -308,10 +222,10 @@ class BaseKVCacheEngine:
         branch evicts the same frames.
         """
         state = self._tags.get(cache_tag)
-        if self.window_frames is None or state is None:
+        if not self.window.bounded or state is None:
             return
-        _, recent_start = self.visible_window(start_frame, first_chunk_frames)
-        if recent_start <= max(self.sink_frames, state.evicted_before):
+        _, recent_start = self.window.visible(start_frame, first_chunk_frames)
+        if recent_start <= max(self.window.sink, state.evicted_before):
             return
         state.evicted_before = recent_start
         for block_idx in range(self.num_blocks):
@@ -322,21 +236,11 @@ class BaseKVCacheEngine:
 
         Idempotent, so that every block's :meth:`append_self_kv` may call it.
         """
-        if self.window_frames is None:
-            return [(start_frame, end_frame)]
-        recent_start = max(self.sink_frames, end_frame - (self.window_frames - self.sink_frames))
-        # frames >= start_frame are replaced by this store; the window then evicts what precedes recent_start
-        state.evicted_before = max(min(state.evicted_before, start_frame), recent_start)
-        ranges = []
-        if start_frame < self.sink_frames:
-            ranges.append((start_frame, min(end_frame, self.sink_frames)))
-        first_recent = max(start_frame, recent_start)
-        if first_recent < end_frame:
-            if ranges and ranges[-1][1] == first_recent:
-                ranges[-1] = (ranges[-1][0], end_frame)
-            else:
-                ranges.append((first_recent, end_frame))
-        return ranges
+        if self.window.bounded:
+            # frames >= start_frame are replaced by this store; the window then evicts what precedes recent_start
+            recent_start = self.window.recent_start(end_frame)
+            state.evicted_before = max(min(state.evicted_before, start_frame), recent_start)
+        return self.window.kept_ranges(start_frame, end_frame)
 
     def ensure_capacity(
         self,
@@ -359,52 +263,32 @@ class BaseKVCacheEngine:
         """
         state = self._tags.get(cache_tag)
         if state is None:
-            state = TagState(batch_size, frame_seqlen, num_heads, head_dim, dtype, torch.device(device))
-            self._tags[cache_tag] = state
+            state = self._tags.create(
+                cache_tag,
+                batch_size=batch_size,
+                frame_seqlen=frame_seqlen,
+                num_heads=num_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                device=torch.device(device),
+            )
             for block_idx in range(self.num_blocks):
                 self._self_kv[block_idx][cache_tag] = self._new_self_entry(state, max_frames)
-        for block_idx in range(self.num_blocks):
-            entry = self._cross_kv[block_idx].get(cache_tag)
-            if entry is None or entry.key.shape[1] != text_len or self._image_len(entry) != image_len:
-                self._cross_kv[block_idx][cache_tag] = self._zero_cross_entry(state, text_len, image_len)
-                state.cross_source = None
+        shape = (state.batch_size, state.num_heads, state.head_dim)
+        self.cross.ensure(cache_tag, shape, state.dtype, state.device, text_len, image_len)
         self._reserve(state, cache_tag, max_frames)
 
     def _reserve(self, state: TagState, cache_tag: str, max_frames: int | None) -> None:
         """Preallocating engines grow their buffers here."""
 
-    @staticmethod
-    def _image_len(entry: CrossKVEntry) -> int:
-        return 0 if entry.key_img is None else entry.key_img.shape[1]
-
-    @staticmethod
-    def _zero_cross_entry(state: TagState, text_len: int, image_len: int) -> CrossKVEntry:
-        def zeros(length: int) -> torch.Tensor:
-            shape = (state.batch_size, length, state.num_heads, state.head_dim)
-            return torch.zeros(shape, dtype=state.dtype, device=state.device)
-
-        return CrossKVEntry(
-            key=zeros(text_len),
-            value=zeros(text_len),
-            key_img=zeros(image_len) if image_len else None,
-            value_img=zeros(image_len) if image_len else None,
-        )
-
-    # ------------------------------------------------------------------ self-attention entries
-    def _new_self_entry(self, state: TagState, max_frames: int | None) -> Any:
-        raise NotImplementedError
-
-    def _self_prefix_pieces(
-        self, block_idx: int, cache_tag: str, start_frame: int, first_chunk_frames: int
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Views of the visible cached K and V, each ``(B, tokens, H, D)``, in frame order (:meth:`visible_window`)."""
-        raise NotImplementedError
-
     def get_self_prefix(self, block_idx: int, cache_tag: str, start_frame: int, first_chunk_frames: int = 1):
         """Cached ``(key, value)``, each ``(B, prefix_tokens, H, D)`` in frame order, visible to a call at
         ``start_frame`` whose first chunk has ``first_chunk_frames`` frames (the window shrinks as it grows).
 
-        ``None`` when nothing is visible.
+        ``None`` when nothing is visible. The attention path asks :meth:`self_attention_kv` for
+        ``[prefix | this call]`` in one piece instead: the prefix alone and then a concatenation with the call
+        would copy the prefix twice (and the static engine's hot path copies nothing). Both read the same
+        :meth:`_self_prefix_pieces`, so they cannot disagree.
         """
         keys, values = self._self_prefix_pieces(block_idx, cache_tag, start_frame, first_chunk_frames)
         if not keys:
@@ -412,35 +296,6 @@ class BaseKVCacheEngine:
         if len(keys) == 1:
             return keys[0], values[0]
         return torch.cat(keys, dim=1), torch.cat(values, dim=1)
-
-    def append_self_kv(
-        self, block_idx: int, cache_tag: str, key: torch.Tensor, value: torch.Tensor, start_frame: int
-    ) -> None:
-        """Store ``key``/``value`` ``(B, F*S, H, D)`` as frames ``[start_frame, start_frame + F)``; drop later ones."""
-        raise NotImplementedError
-
-    def _truncate_self_entry(self, entry: Any, state: TagState, end_frame: int) -> None:
-        raise NotImplementedError
-
-    def _evict_self_entry(self, entry: Any, state: TagState, before: int) -> None:
-        """Drop the non-sink frames ``< before`` (windowed engines)."""
-        raise NotImplementedError
-
-    def _rotate_self_entry(self, entry: Any, state: TagState, rotate: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace every cached key ``k`` ``(B, tokens, H, D)`` by ``rotate(k)`` (RoPE re-basing)."""
-        raise NotImplementedError
-
-    def _copy_self_entry(self, entry: Any) -> Any:
-        raise NotImplementedError
-
-    def _self_entry_tensors(self, entry: Any) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def visible_prefix_frames(self, cache_tag: str, start_frame: int, first_chunk_frames: int) -> int:
-        """How many cached frames a call at ``start_frame`` whose first chunk has ``first_chunk_frames`` frames
-        attends to (every frame before it, or the window and sink)."""
-        sink_end, recent_start = self.visible_window(start_frame, first_chunk_frames)
-        return sink_end + start_frame - recent_start
 
     def self_attention_kv(
         self,
@@ -468,44 +323,17 @@ class BaseKVCacheEngine:
     ) -> None:
         """Record, once every block has appended, that frames ``[start_frame, start_frame + num_frames)`` exist, as
         the chunks ``chunk_layout`` (frame counts; one chunk when ``None``), each a boundary a later call may use."""
-        state = self._tags[cache_tag]
-        starts = [start_frame]
-        for frames in (chunk_layout or (num_frames,))[:-1]:
-            starts.append(starts[-1] + frames)
-        state.chunk_starts = [s for s in state.chunk_starts if s < start_frame] + starts
-        state.num_frames = start_frame + num_frames
+        self._tags.record_store(cache_tag, start_frame, num_frames, chunk_layout)
 
+    # ------------------------------------------------------------------ edits between forwards
     def truncate(self, cache_tag: str, end_frame: int) -> None:
         """Drop every frame ``>= end_frame`` of ``cache_tag`` (``end_frame`` must be a stored chunk boundary)."""
-        state = self._tags.get(cache_tag)
-        if state is None:
+        if not self._tags.check_truncate(cache_tag, end_frame):
             return
-        if end_frame >= state.num_frames:
-            return
-        if end_frame not in state.chunk_starts:
-            raise ValueError(
-                f"Cannot truncate cache_tag {cache_tag!r} at frame {end_frame}: stored chunks start at "
-                f"{state.chunk_starts}."
-            )
+        state = self._tags[cache_tag]
         for block_idx in range(self.num_blocks):
             self._truncate_self_entry(self._self_kv[block_idx][cache_tag], state, end_frame)
-        state.chunk_starts = [s for s in state.chunk_starts if s < end_frame]
-        state.num_frames = end_frame
-        state.evicted_before = min(state.evicted_before, end_frame)
-
-    def abort_store(self, cache_tag: str, start_frame: int, *, cross_filled: bool) -> None:
-        """Undo a ``store_kv`` forward that failed midway: drop frames ``>= start_frame`` from every block (some
-        blocks may already hold the new chunk) and forget cross K/V that the call was filling."""
-        state = self._tags.get(cache_tag)
-        if state is None:
-            return
-        for block_idx in range(self.num_blocks):
-            self._truncate_self_entry(self._self_kv[block_idx][cache_tag], state, start_frame)
-        state.chunk_starts = [s for s in state.chunk_starts if s < start_frame]
-        state.num_frames = min(state.num_frames, start_frame)
-        state.evicted_before = min(state.evicted_before, state.num_frames)
-        if cross_filled:
-            self.invalidate_cross(cache_tag)
+        self._tags.truncate(cache_tag, end_frame)
 
     def rewind(self, cache_tag: str, num_frames: int) -> None:
         """Drop the newest ``num_frames`` frames of ``cache_tag`` (a whole number of stored chunks)."""
@@ -518,11 +346,10 @@ class BaseKVCacheEngine:
         """Give ``target_tag`` a copy of every entry of ``source_tag`` (fork a rollout from a shared prefix)."""
         if source_tag not in self._tags:
             raise ValueError(f"cache_tag {source_tag!r} holds nothing to copy; stored tags: {sorted(self._tags)}.")
-        self._tags[target_tag] = copy.copy(self._tags[source_tag])
-        self._tags[target_tag].chunk_starts = list(self._tags[source_tag].chunk_starts)
+        self._tags.copy_tag(source_tag, target_tag)
         for block_idx in range(self.num_blocks):
             self._self_kv[block_idx][target_tag] = self._copy_self_entry(self._self_kv[block_idx][source_tag])
-            self._cross_kv[block_idx][target_tag] = copy.copy(self._cross_kv[block_idx][source_tag])
+        self.cross.copy_tag(source_tag, target_tag)
 
     # ------------------------------------------------------------------ RoPE re-basing
     def rope_offset(self, cache_tag: str) -> int:
@@ -553,24 +380,14 @@ class BaseKVCacheEngine:
         *,
         store_kv: bool,
         grad_enabled: bool,
+        matches: dict | None = None,
     ) -> CrossKVMode:
-        """Decide, once per forward, whether cross-attention reads, fills or just computes its K/V."""
-        state = self._tags.get(cache_tag)
-        filled = state is not None and state.cross_source is not None
-        same_source = filled and state.cross_source.matches(*conditioning)
-        if filled and same_source and not grad_enabled:
-            return CrossKVMode.READ
-        if store_kv and not (filled and same_source):
-            return CrossKVMode.FILL
-        return CrossKVMode.COMPUTE
+        """Decide, once per forward, whether cross-attention reads, fills or just computes its K/V
+        (:meth:`CrossKVCache.mode`)."""
+        return self.cross.mode(cache_tag, conditioning, store_kv=store_kv, grad_enabled=grad_enabled, matches=matches)
 
     def get_cross_kv(self, block_idx: int, cache_tag: str) -> CrossKVEntry:
-        entry = self._cross_kv[block_idx][cache_tag]
-        if not entry.is_init:
-            raise RuntimeError(
-                f"Cross K/V of block {block_idx}, cache_tag {cache_tag!r} were read before being filled."
-            )
-        return entry
+        return self.cross.get(block_idx, cache_tag)
 
     def set_cross_kv(
         self,
@@ -581,56 +398,60 @@ class BaseKVCacheEngine:
         key_img: torch.Tensor | None = None,
         value_img: torch.Tensor | None = None,
     ) -> None:
-        self._cross_kv[block_idx][cache_tag] = CrossKVEntry(key, value, key_img, value_img, is_init=True)
+        self.cross.set(block_idx, cache_tag, key, value, key_img, value_img)
 
     def mark_cross_filled(self, cache_tag: str, source: ConditioningKey) -> None:
         """Record which conditioning filled the cross K/V of ``cache_tag`` (one key may serve several engines)."""
-        self._tags[cache_tag].cross_source = source
+        self.cross.mark_filled(cache_tag, source)
 
     def invalidate_cross(self, cache_tag: str | None = None) -> None:
         """Forget the cross K/V of ``cache_tag`` (every tag when ``None``); the next ``store_kv`` call refills them."""
-        tags = list(self._tags) if cache_tag is None else [cache_tag]
-        for tag in tags:
-            state = self._tags.get(tag)
-            if state is None:
-                continue
-            state.cross_source = None
-            for block_idx in range(self.num_blocks):
-                entry = self._cross_kv[block_idx][tag]
-                self._cross_kv[block_idx][tag] = CrossKVEntry(
-                    torch.zeros_like(entry.key),
-                    torch.zeros_like(entry.value),
-                    None if entry.key_img is None else torch.zeros_like(entry.key_img),
-                    None if entry.value_img is None else torch.zeros_like(entry.value_img),
-                )
+        self.cross.invalidate(list(self._tags) if cache_tag is None else [cache_tag])
 
-    # ------------------------------------------------------------------ masks
-    def block_mask(
-        self,
-        device: torch.device,
-        num_frames: int,
-        frame_seqlen: int,
-        chunk_layout: tuple[int, ...],
-        mask_kind: tuple,
-        build: Callable[[], Any],
-    ) -> Any:
-        """Memoized mask; ``mask_kind`` names the backend and everything else the mask depends on."""
-        key = (torch.device(device), num_frames, frame_seqlen, chunk_layout, mask_kind)
-        mask = self._block_masks.get(key)
-        if mask is None:
-            mask = self._block_masks[key] = build()
-        return mask
+    # ------------------------------------------------------------------ self-attention entries (subclasses)
+    def _new_self_entry(self, state: TagState, max_frames: int | None) -> Any:
+        raise NotImplementedError
+
+    def _self_prefix_pieces(
+        self, block_idx: int, cache_tag: str, start_frame: int, first_chunk_frames: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views of the visible cached K and V, each ``(B, tokens, H, D)``, in frame order (:meth:`visible_window`)."""
+        raise NotImplementedError
+
+    def append_self_kv(
+        self, block_idx: int, cache_tag: str, key: torch.Tensor, value: torch.Tensor, start_frame: int
+    ) -> None:
+        """Store ``key``/``value`` ``(B, F*S, H, D)`` as frames ``[start_frame, start_frame + F)``; drop later ones."""
+        raise NotImplementedError
+
+    def _truncate_self_entry(self, entry: Any, state: TagState, end_frame: int) -> None:
+        raise NotImplementedError
+
+    def _evict_self_entry(self, entry: Any, state: TagState, before: int) -> None:
+        """Drop the non-sink frames ``< before`` (windowed engines)."""
+        raise NotImplementedError
+
+    def _rotate_self_entry(self, entry: Any, state: TagState, rotate: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every cached key ``k`` ``(B, tokens, H, D)`` by ``rotate(k)`` (RoPE re-basing)."""
+        raise NotImplementedError
+
+    def _copy_self_entry(self, entry: Any) -> Any:
+        raise NotImplementedError
+
+    def _self_entry_tensors(self, entry: Any) -> list[torch.Tensor]:
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ memory and lifetime
     def self_cache_bytes(self, cache_tag: str | None = None) -> int:
         """Bytes of the self-attention K/V held (all tags when ``cache_tag`` is ``None``): the cache formula
-        (:func:`expected_self_cache_bytes`) over the :meth:`held_frames` tokens."""
+        (:func:`~fastgen_diffusers.kv_cache.accounting.expected_self_cache_bytes`) over the :meth:`held_frames`
+        tokens."""
         return self.allocated_self_cache_bytes(cache_tag)
 
     def allocated_self_cache_bytes(self, cache_tag: str | None = None) -> int:
         """Bytes of the self-attention tensors the engine has allocated (preallocating engines: their capacity)."""
-        return sum(
-            t.numel() * t.element_size()
+        return tensor_bytes(
+            t
             for per_tag in self._self_kv
             for tag, entry in per_tag.items()
             if cache_tag is None or tag == cache_tag
@@ -639,27 +460,21 @@ class BaseKVCacheEngine:
 
     def cross_cache_bytes(self, cache_tag: str | None = None) -> int:
         """Bytes held by cross-attention K/V (all tags when ``cache_tag`` is ``None``)."""
-        return sum(
-            t.numel() * t.element_size()
-            for per_tag in self._cross_kv
-            for tag, entry in per_tag.items()
-            if cache_tag is None or tag == cache_tag
-            for t in entry.tensors()
-        )
+        return self.cross.nbytes(cache_tag)
 
     def cache_bytes(self, cache_tag: str | None = None) -> int:
         return self.self_cache_bytes(cache_tag) + self.cross_cache_bytes(cache_tag)
 
     def clear(self, cache_tag: str | None = None) -> None:
-        """Free the entries of ``cache_tag`` (every tag and the memoized masks when ``None``)."""
+        """Free the entries of ``cache_tag`` (every tag when ``None``)."""
         if cache_tag is None:
             self._self_kv = [{} for _ in range(self.num_blocks)]
-            self._cross_kv = [{} for _ in range(self.num_blocks)]
-            self._block_masks = {}
-            self._tags = {}
+            self.cross = CrossKVCache(self.num_blocks)
+            self._tags.remove()
             return
-        self._tags.pop(cache_tag, None)
-        for per_tag in (*self._self_kv, *self._cross_kv):
+        self._tags.remove(cache_tag)
+        self.cross.remove(cache_tag)
+        for per_tag in self._self_kv:
             per_tag.pop(cache_tag, None)
 
     def __repr__(self) -> str:

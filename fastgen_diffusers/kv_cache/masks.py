@@ -1,127 +1,127 @@
-"""Block-causal attention masks over ``[cached prefix | tokens of this call]``.
+"""Block-causal attention masks over ``[visible cached prefix | tokens of this call]``, memoised.
 
-A query token of chunk ``c`` (chunks laid out by :func:`fastgen_diffusers.chunking.chunk_layout`) sees every cached
-prefix token and every token of this call up to the end of its own chunk. Under a sliding window and sink
-(windowed engines), it also sees only the sink frames and the most recent frames of the window (``*_window_mask``).
+One rule, one ``mask_mod``: a query of the chunk ending at frame ``e`` sees the key of frame ``k`` iff
+``window.sees(k, e)`` (:meth:`AttentionWindow.sees`: ``k < e``, and inside the window and sink when there is one).
+Chunks are laid out by :func:`fastgen_diffusers.chunking.chunk_layout`; keys are in frame order, as engines return
+the prefix of a multi-chunk call. The SDPA boolean mask is that ``mask_mod`` materialised by torch's ``create_mask``,
+the FlexAttention ``BlockMask`` is the same ``mask_mod`` given to ``create_block_mask``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
+from .window import AttentionWindow
 
-def query_chunk_ends(chunk_layout: tuple[int, ...], frame_seqlen: int, prefix_tokens: int, device) -> torch.Tensor:
-    """``(L,)`` key index (exclusive) where each query token's visible keys end."""
-    ends = []
-    end = prefix_tokens
-    for frames in chunk_layout:
-        end += frames * frame_seqlen
-        ends.append(torch.full((frames * frame_seqlen,), end, dtype=torch.int64))
-    return torch.cat(ends).to(device)
+MASK_BACKENDS = ("sdpa", "flex")
 
 
-def build_sdpa_block_causal_mask(
-    chunk_layout: tuple[int, ...], frame_seqlen: int, prefix_tokens: int, device
+def key_frames(
+    window: AttentionWindow, start_frame: int, chunk_layout: tuple[int, ...], frame_seqlen: int, device
 ) -> torch.Tensor:
-    """Boolean ``(1, 1, L, prefix + L)`` mask (True = attend) for ``F.scaled_dot_product_attention``."""
-    num_tokens = sum(chunk_layout) * frame_seqlen
-    ends = query_chunk_ends(chunk_layout, frame_seqlen, prefix_tokens, device)
-    key_index = torch.arange(prefix_tokens + num_tokens, device=device)
-    return (key_index[None, :] < ends[:, None])[None, None]
-
-
-def build_flex_block_causal_mask(chunk_layout: tuple[int, ...], frame_seqlen: int, prefix_tokens: int, device):
-    """FlexAttention ``BlockMask`` with the same pattern as :func:`build_sdpa_block_causal_mask`."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    num_tokens = sum(chunk_layout) * frame_seqlen
-    ends = query_chunk_ends(chunk_layout, frame_seqlen, prefix_tokens, device)
-
-    def mask_mod(batch, head, q_idx, kv_idx):
-        return kv_idx < ends[q_idx]
-
-    return create_block_mask(
-        mask_mod, B=None, H=None, Q_LEN=num_tokens, KV_LEN=prefix_tokens + num_tokens, device=device, _compile=False
-    )
-
-
-def window_key_frames(
-    sink_end: int, recent_start: int, start_frame: int, num_frames: int, frame_seqlen: int, device
-) -> torch.Tensor:
-    """``(prefix + L,)`` absolute latent frame of every key of ``[sink | recent | this call]``, the key layout of a
-    windowed engine (cached frames ``[0, sink_end)`` and ``[recent_start, start_frame)``, in frame order)."""
+    """``(prefix + L,)`` absolute latent frame of every key of ``[sink | recent | this call]`` (frame order)."""
+    sink_end, recent_start = window.visible(start_frame, chunk_layout[0])
     frames = torch.cat(
         [
             torch.arange(sink_end),
             torch.arange(recent_start, start_frame),
-            torch.arange(start_frame, start_frame + num_frames),
+            torch.arange(start_frame, start_frame + sum(chunk_layout)),
         ]
     )
     return frames.repeat_interleave(frame_seqlen).to(device)
 
 
-def window_query_bounds(
-    chunk_layout: tuple[int, ...], frame_seqlen: int, start_frame: int, window_frames: int, sink_frames: int, device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ends, recent_starts)``, each ``(L,)``: a query of chunk ``[s, e)`` sees key frame ``k`` iff ``k < e`` and
-    (``k < sink_frames`` or ``k >= e - (window_frames - sink_frames)``)."""
-    ends = []
-    end = start_frame
+def query_chunk_ends(start_frame: int, chunk_layout: tuple[int, ...], frame_seqlen: int, device) -> torch.Tensor:
+    """``(L,)`` end frame (exclusive) of the chunk of every query token of this call."""
+    ends, end = [], start_frame
     for frames in chunk_layout:
         end += frames
         ends.append(torch.full((frames * frame_seqlen,), end, dtype=torch.int64))
-    ends = torch.cat(ends).to(device)
-    return ends, ends - (window_frames - sink_frames)
+    return torch.cat(ends).to(device)
 
 
-def build_sdpa_window_mask(
-    chunk_layout: tuple[int, ...],
-    frame_seqlen: int,
-    start_frame: int,
-    sink_end: int,
-    recent_start: int,
-    window_frames: int,
-    sink_frames: int,
-    device,
-) -> torch.Tensor:
-    """Boolean ``(1, 1, L, prefix + L)`` block-causal mask under a sliding window and sink, True = attend.
-
-    Keys are laid out as :func:`window_key_frames`; queries as in :func:`build_sdpa_block_causal_mask`.
-    """
-    num_frames = sum(chunk_layout)
-    key_frames = window_key_frames(sink_end, recent_start, start_frame, num_frames, frame_seqlen, device)[None, :]
-    ends, recent = window_query_bounds(chunk_layout, frame_seqlen, start_frame, window_frames, sink_frames, device)
-    visible = (key_frames < ends[:, None]) & ((key_frames < sink_frames) | (key_frames >= recent[:, None]))
-    return visible[None, None]
-
-
-def build_flex_window_mask(
-    chunk_layout: tuple[int, ...],
-    frame_seqlen: int,
-    start_frame: int,
-    sink_end: int,
-    recent_start: int,
-    window_frames: int,
-    sink_frames: int,
-    device,
-):
-    """FlexAttention ``BlockMask`` with the same pattern as :func:`build_sdpa_window_mask`."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    num_frames = sum(chunk_layout)
-    key_frames = window_key_frames(sink_end, recent_start, start_frame, num_frames, frame_seqlen, device)
-    ends, recent = window_query_bounds(chunk_layout, frame_seqlen, start_frame, window_frames, sink_frames, device)
+def block_causal_mask_mod(
+    window: AttentionWindow, start_frame: int, chunk_layout: tuple[int, ...], frame_seqlen: int, device
+) -> tuple[Callable, int, int]:
+    """``(mask_mod, Q_LEN, KV_LEN)`` of a call at ``start_frame`` split into ``chunk_layout``."""
+    keys = key_frames(window, start_frame, chunk_layout, frame_seqlen, device)
+    ends = query_chunk_ends(start_frame, chunk_layout, frame_seqlen, device)
 
     def mask_mod(batch, head, q_idx, kv_idx):
-        frame = key_frames[kv_idx]
-        return (frame < ends[q_idx]) & ((frame < sink_frames) | (frame >= recent[q_idx]))
+        return window.sees(keys[kv_idx], ends[q_idx])
 
-    return create_block_mask(
-        mask_mod,
-        B=None,
-        H=None,
-        Q_LEN=num_frames * frame_seqlen,
-        KV_LEN=key_frames.shape[0],
-        device=device,
-        _compile=False,
-    )
+    return mask_mod, ends.shape[0], keys.shape[0]
+
+
+def build_sdpa_mask(
+    window: AttentionWindow, start_frame: int, chunk_layout: tuple[int, ...], frame_seqlen: int, device
+) -> torch.Tensor:
+    """Boolean ``(1, 1, L, prefix + L)`` mask (True = attend) for ``F.scaled_dot_product_attention``."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    mask_mod, q_len, kv_len = block_causal_mask_mod(window, start_frame, chunk_layout, frame_seqlen, device)
+    return create_mask(mask_mod, 1, 1, q_len, kv_len, device=device)
+
+
+def build_flex_mask(
+    window: AttentionWindow, start_frame: int, chunk_layout: tuple[int, ...], frame_seqlen: int, device
+):
+    """FlexAttention ``BlockMask`` of the same ``mask_mod`` as :func:`build_sdpa_mask`."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask_mod, q_len, kv_len = block_causal_mask_mod(window, start_frame, chunk_layout, frame_seqlen, device)
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device, _compile=False)
+
+
+class BlockMaskMemo:
+    """Masks already built, keyed by everything their pattern depends on.
+
+    The pattern of a call depends on its start frame only through what its prefix holds and, near the start of the
+    video, through which of its own frames are sink frames; calls that agree on those share one mask.
+    """
+
+    def __init__(self) -> None:
+        self._masks: dict[tuple, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+    def keys(self) -> list[tuple]:
+        """``(backend, device, window, chunk_layout, frame_seqlen, sink_end, recent_frames, own_sink_frames)``."""
+        return list(self._masks)
+
+    def clear(self) -> None:
+        self._masks = {}
+
+    def get(
+        self,
+        backend: str,
+        window: AttentionWindow,
+        start_frame: int,
+        chunk_layout: tuple[int, ...],
+        frame_seqlen: int,
+        device,
+    ) -> Any:
+        """The mask of a multi-chunk call (``backend``: ``"sdpa"`` or ``"flex"``), built on first use."""
+        if backend not in MASK_BACKENDS:
+            raise ValueError(f"`backend` must be one of {MASK_BACKENDS}, got {backend!r}.")
+        device = torch.device(device)
+        sink_end, recent_start = window.visible(start_frame, chunk_layout[0])
+        key = (
+            backend,
+            device,
+            window,
+            tuple(chunk_layout),
+            frame_seqlen,
+            sink_end,
+            start_frame - recent_start,
+            min(start_frame, window.sink),
+        )
+        mask = self._masks.get(key)
+        if mask is None:
+            build = build_flex_mask if backend == "flex" else build_sdpa_mask
+            mask = self._masks[key] = build(window, start_frame, chunk_layout, frame_seqlen, device)
+        return mask

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BaseKVCacheEngine, TagState, expected_self_cache_bytes
+from .accounting import expected_self_cache_bytes
+from .base import BaseKVCacheEngine
+from .tags import TagState
 
 
 @dataclass
@@ -69,8 +71,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
     # ------------------------------------------------------------------ capacity
     def _capacity_for(self, frames: int) -> int:
         """Frame slots needed to serve ``frames`` frames (at most the window)."""
-        frames = max(frames, self.max_frames or 0)
-        return frames if self.window_frames is None else min(frames, self.window_frames)
+        return self.window.slots(max(frames, self.max_frames or 0))
 
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> StaticSelfEntry:
         slots = self._capacity_for(max_frames or 1) * state.frame_seqlen
@@ -89,9 +90,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             capacity = entry.key.shape[1]
             if capacity >= needed:
                 continue
-            grown = max(needed, 2 * capacity)
-            if self.window_frames is not None:
-                grown = min(grown, self.window_frames * state.frame_seqlen)
+            grown = max(needed, self.window.slots(2 * capacity // state.frame_seqlen) * state.frame_seqlen)
             entry.key = self._grow(entry.key, grown)
             entry.value = self._grow(entry.value, grown)
 
@@ -107,18 +106,18 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         frames when the range passes the window)."""
         if first >= last:
             return []
-        if self.window_frames is None or last <= self.window_frames:
+        window = self.window
+        if window.all_seen_until(last):
             return [(first, first, last - first)]
         runs = []
-        if first < self.sink_frames:
-            runs.append((first, first, self.sink_frames - first))
-            first = self.sink_frames
-        ring = self.window_frames - self.sink_frames
-        slot = self.sink_frames + (first - self.sink_frames) % ring
-        count = min(last - first, self.window_frames - slot)
+        if first < window.sink:
+            runs.append((first, first, window.sink - first))
+            first = window.sink
+        slot = window.sink + (first - window.sink) % window.room
+        count = min(last - first, window.frames - slot)
         runs.append((first, slot, count))
         if first + count < last:
-            runs.append((first + count, self.sink_frames, last - first - count))
+            runs.append((first + count, window.sink, last - first - count))
         return runs
 
     def _write(
@@ -127,10 +126,63 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         """Copy frames ``[first, last)`` of ``key``/``value`` (whose first frame is ``key_start``) into their slots."""
         first, last = frames
         for frame, slot, count in self._slot_runs(first, last):
+            self._keep_for_undo(entry, slot, slot + count, seqlen)
             src = slice((frame - key_start) * seqlen, (frame - key_start + count) * seqlen)
             dst = slice(slot * seqlen, (slot + count) * seqlen)
             entry.key[:, dst] = key[:, src]
             entry.value[:, dst] = value[:, src]
+
+    # ------------------------------------------------------------------ transactions
+    def begin_transaction(self, cache_tag: str) -> None:
+        """Also note which slots hold frames the tag holds now: an in-place write to them during the transaction
+        first keeps their contents (:meth:`_keep_for_undo`). Writes to free slots keep nothing."""
+        super().begin_transaction(cache_tag)
+        state = self._tags.get(cache_tag)
+        held_slots = []
+        if state is not None:
+            window = self.window
+            frames = [(0, state.num_frames)]
+            if window.bounded:
+                frames = [
+                    (0, min(window.sink, state.num_frames)),
+                    (max(window.sink, state.evicted_before), state.num_frames),
+                ]
+            for first, last in frames:
+                held_slots += [(slot, slot + count) for _, slot, count in self._slot_runs(first, last)]
+        self._transaction.extra.update(held_slots=held_slots, unsaved={})
+
+    def _snapshot_self_entry(self, entry: StaticSelfEntry | None):
+        return None if entry is None else (entry, entry.key, entry.value)
+
+    def _restore_self_entry(self, snapshot) -> StaticSelfEntry:
+        entry, entry.key, entry.value = snapshot  # buffers grown during the transaction are dropped
+        entry.written = None
+        return entry
+
+    def _keep_for_undo(self, entry: StaticSelfEntry, first_slot: int, last_slot: int, seqlen: int) -> None:
+        """Before slots ``[first_slot, last_slot)`` of ``entry`` are overwritten in an open transaction, keep a copy
+        of those that hold frames held when it began (each slot once) and record how to put it back."""
+        transaction = self._transaction
+        if transaction is None:
+            return
+        unsaved = transaction.extra["unsaved"].setdefault(id(entry), list(transaction.extra["held_slots"]))
+        remaining = []
+        for low, high in unsaved:
+            first, last = max(low, first_slot), min(high, last_slot)
+            if first >= last:
+                remaining.append((low, high))
+                continue
+            tokens = slice(first * seqlen, last * seqlen)
+            key, value = entry.key, entry.value
+            kept_key, kept_value = key[:, tokens].clone(), value[:, tokens].clone()
+
+            def undo(key=key, value=value, tokens=tokens, kept_key=kept_key, kept_value=kept_value) -> None:
+                key[:, tokens] = kept_key
+                value[:, tokens] = kept_value
+
+            transaction.undo.append(undo)
+            remaining += [r for r in ((low, first), (last, high)) if r[0] < r[1]]
+        transaction.extra["unsaved"][id(entry)] = remaining
 
     # ------------------------------------------------------------------ attention
     def self_attention_kv(self, block_idx, cache_tag, key, value, start_frame, first_chunk_frames=None):
@@ -139,7 +191,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         num_frames = key.shape[1] // seqlen
         end_frame = start_frame + num_frames
         single_chunk = first_chunk_frames is None or first_chunk_frames == num_frames
-        in_frame_order = self.window_frames is None or end_frame <= self.window_frames
+        in_frame_order = self.window.all_seen_until(end_frame)
         hot = start_frame == state.num_frames and (single_chunk or in_frame_order)
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
         entry.written = None
@@ -147,13 +199,13 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             return super().self_attention_kv(block_idx, cache_tag, key, value, start_frame, first_chunk_frames)
         self._write(entry, seqlen, key, value, start_frame, (start_frame, end_frame))
         entry.written = (start_frame, end_frame, key.data_ptr())
-        visible = end_frame if self.window_frames is None else min(end_frame, self.window_frames)
+        visible = self.window.slots(end_frame)
         return entry.key[:, : visible * seqlen], entry.value[:, : visible * seqlen]
 
     def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames):
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
         seqlen = self._tags[cache_tag].frame_seqlen
-        sink_end, recent_start = self.visible_window(start_frame, first_chunk_frames)
+        sink_end, recent_start = self.window.visible(start_frame, first_chunk_frames)
         keys, values = [], []
         for first, last in ((0, sink_end), (recent_start, start_frame)):
             for _, slot, count in self._slot_runs(first, last):
@@ -182,6 +234,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
     def _rotate_self_entry(
         self, entry: StaticSelfEntry, state: TagState, rotate: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
+        self._keep_for_undo(entry, 0, entry.key.shape[1] // state.frame_seqlen, state.frame_seqlen)
         entry.key.copy_(rotate(entry.key))
 
     def _copy_self_entry(self, entry: StaticSelfEntry) -> StaticSelfEntry:

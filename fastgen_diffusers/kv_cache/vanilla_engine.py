@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import BaseKVCacheEngine, TagState
+from .base import BaseKVCacheEngine
+from .tags import TagState
 
 
 @dataclass
@@ -51,7 +52,7 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
     def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames):
         entry: VanillaSelfEntry = self._self_kv[block_idx][cache_tag]
         seqlen = self._tags[cache_tag].frame_seqlen
-        sink_end, recent_start = self.visible_window(start_frame, first_chunk_frames)
+        sink_end, recent_start = self.window.visible(start_frame, first_chunk_frames)
         keys, values = [], []
         for run_start, run_end, key, value in entry.runs(seqlen):
             for low, high in ((0, sink_end), (recent_start, start_frame)):
@@ -98,16 +99,17 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
         entry.replace(runs)
 
     def _evict_self_entry(self, entry: VanillaSelfEntry, state: TagState, before: int) -> None:
-        if before <= self.sink_frames:
+        sink = self.window.sink
+        if before <= sink:
             return
         seqlen = state.frame_seqlen
         runs = []
         for run_start, run_end, key, value in entry.runs(seqlen):
-            if run_end <= self.sink_frames or run_start >= before:
+            if run_end <= sink or run_start >= before:
                 runs.append((run_start, key, value))
                 continue
             # keep the sink part and the part from `before` on, as copies (a view would pin the evicted frames)
-            for first, last in ((run_start, min(run_end, self.sink_frames)), (max(run_start, before), run_end)):
+            for first, last in ((run_start, min(run_end, sink)), (max(run_start, before), run_end)):
                 if first < last:
                     tokens = slice((first - run_start) * seqlen, (last - run_start) * seqlen)
                     runs.append((first, key[:, tokens].clone(), value[:, tokens].clone()))

@@ -18,7 +18,8 @@ from torch import nn
 from ..chunking import chunk_layout
 from ..context import CausalContext
 from ..kv_cache import BaseKVCacheEngine, CrossKVMode, KVCacheEngine
-from ..kv_cache.conditioning import ConditioningKey
+from ..kv_cache.cross import ConditioningKey
+from ..kv_cache.masks import BlockMaskMemo
 from ..parallel import (
     check_context_parallel_config,
     check_frame_tokens,
@@ -28,6 +29,7 @@ from ..parallel import (
 )
 from ..processors import WanCausalAttnProcessor, WanCausalCrossAttnProcessor, apply_rotary_emb
 from .blocks import WanCausalTransformerBlock
+from .call_checks import check_transformer_inputs
 from .rope import CausalRotaryTables
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
@@ -76,6 +78,7 @@ class CausalWanMixin:
             block.__class__ = WanCausalTransformerBlock
         self.rotary_tables = CausalRotaryTables(attention_head_dim, patch_size, rope_max_seq_len)
         self.block_mask_backend = "auto"
+        self.block_masks = BlockMaskMemo()
         self.rope_rebasing = False
         self._install_causal_processors()
         self.kv_cache_engines: dict[str, BaseKVCacheEngine] = {}
@@ -98,9 +101,10 @@ class CausalWanMixin:
         self.kv_cache_engines = dict(engines)
 
     def clear_caches(self) -> None:
-        """Empty every engine (self and cross entries, memoized masks): the cache state of a new model."""
+        """Empty every engine (self and cross entries) and the memoized masks: the cache state of a new model."""
         for engine in self.kv_cache_engines.values():
             engine.clear()
+        self.block_masks.clear()
 
     def kv_cache_bytes(self, cache_tag: str | None = None) -> int:
         """Bytes of self-attention K/V held by all engines (the cache formula's quantity)."""
@@ -296,7 +300,7 @@ class CausalWanMixin:
         """Size the entries of ``cache_tag`` and decide each engine's cross K/V mode (after :meth:`_check_call`)."""
         dtype = self._compute_dtype(device)
         grad_enabled = torch.is_grad_enabled()
-        cross_modes = {}
+        cross_modes, matches = {}, {}  # engines filled from one source compare the conditioning once
         layout = self.chunk_layout_for(num_frames, start_frame)
         for engine in self.kv_cache_engines.values():
             engine.ensure_capacity(
@@ -313,7 +317,7 @@ class CausalWanMixin:
             )
             engine.begin_call(cache_tag, start_frame, layout[0])
             cross_modes[id(engine)] = engine.cross_mode(
-                cache_tag, conditioning, store_kv=store_kv, grad_enabled=grad_enabled
+                cache_tag, conditioning, store_kv=store_kv, grad_enabled=grad_enabled, matches=matches
             )
         return CausalContext(
             cache_engines=self.kv_cache_engines,
@@ -322,35 +326,43 @@ class CausalWanMixin:
             start_frame=start_frame,
             num_frames=num_frames,
             frame_seqlen=frame_seqlen,
-            chunk_size=self.config.chunk_size,
             chunk_layout=layout,
             image_context_length=image_len,
             cross_modes=cross_modes,
             mask_backend=self._resolve_mask_backend(device),
+            block_masks=self.block_masks,
         )
 
     def _check_call(
         self,
         hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_image: torch.Tensor | None,
         *,
         start_frame: int,
         cache_tag: str,
+        store_kv: bool,
     ) -> tuple[int, int, int]:
-        """Validate a call against the config and every engine; returns ``(post-patch F, H', W')``. Writes nothing."""
-        if hidden_states.ndim != 5:
-            raise ValueError(f"`hidden_states` must be (B, C, F, H, W), got shape {tuple(hidden_states.shape)}.")
-        if encoder_hidden_states is None or encoder_hidden_states.ndim != 3:
-            raise ValueError("`encoder_hidden_states` must be a (B, L, text_dim) tensor.")
-        if encoder_hidden_states.shape[0] != hidden_states.shape[0]:
-            raise ValueError(
-                f"`encoder_hidden_states` has batch {encoder_hidden_states.shape[0]}, `hidden_states` has batch "
-                f"{hidden_states.shape[0]}."
-            )
-        if not isinstance(start_frame, int) or isinstance(start_frame, bool):
-            raise ValueError(f"`start_frame` must be an int, got {type(start_frame).__name__}.")
-        if not isinstance(cache_tag, str):
-            raise ValueError(f"`cache_tag` must be a string such as 'pos' or 'neg', got {cache_tag!r}.")
+        """Validate a call against the config and every engine; returns ``(post-patch F, H', W')``. Writes nothing.
+
+        Every input is checked (:func:`check_transformer_inputs`) before any engine operation, so a bad call leaves
+        every cache as it was.
+        """
+        autocast = isinstance(hidden_states, torch.Tensor) and torch.is_autocast_enabled(hidden_states.device.type)
+        image_embedder = self.condition_embedder.image_embedder
+        check_transformer_inputs(
+            self.config,
+            hidden_states,
+            timestep,
+            encoder_hidden_states,
+            encoder_hidden_states_image,
+            start_frame=start_frame,
+            cache_tag=cache_tag,
+            store_kv=store_kv,
+            compute_dtype=None if autocast else self._compute_dtype(hidden_states.device),
+            image_dim=None if image_embedder is None else self.config.image_dim,
+        )
         _, _, num_frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.config.patch_size
         if height % p_h or width % p_w:
@@ -383,25 +395,20 @@ class CausalWanMixin:
                 hidden_states = block(hidden_states, context, timestep_proj, rotary_emb, ctx)
         return hidden_states
 
-    def _finish_call(self, ctx: CausalContext, conditioning, failed: bool) -> None:
-        """Commit what a ``store_kv`` call wrote, or undo it when the forward failed midway.
+    def _finish_call(self, ctx: CausalContext, conditioning) -> None:
+        """Commit what a ``store_kv`` call wrote (the transaction of a forward that fails is rolled back instead).
 
         Once committed, the context is marked so that a gradient-checkpointing recompute of its blocks (in backward)
         writes nothing again.
         """
         fills = any(ctx.cross_mode(engine) is CrossKVMode.FILL for engine in self.kv_cache_engines.values())
-        source = ConditioningKey(*conditioning) if fills and not failed else None  # built before any commit
+        source = ConditioningKey(*conditioning) if fills else None  # built before any commit
         for engine in self.kv_cache_engines.values():
-            filled = ctx.cross_mode(engine) is CrossKVMode.FILL
-            if failed:
-                if ctx.store_kv:
-                    engine.abort_store(ctx.cache_tag, ctx.start_frame, cross_filled=filled)
-                continue
             if ctx.store_kv:
                 engine.commit_store(ctx.cache_tag, ctx.start_frame, ctx.num_frames, ctx.chunk_layout)
-            if filled:
+            if ctx.cross_mode(engine) is CrossKVMode.FILL:
                 engine.mark_cross_filled(ctx.cache_tag, source)
-        ctx.committed = not failed
+        ctx.committed = True
 
     def _output_head(self, hidden_states, temb, batch_size, post_f, post_h, post_w) -> torch.Tensor:
         """Per-frame modulated output norm, projection and unpatchify to ``(B, C_out, F, H, W)``.
@@ -438,13 +445,18 @@ class CausalWanMixin:
         """The forward of a causal model around its block loop; ``block_inputs`` go to ``_forward_blocks``."""
         batch_size = hidden_states.shape[0]
         post_f, post_h, post_w = self._check_call(
-            hidden_states, encoder_hidden_states, start_frame=start_frame, cache_tag=cache_tag
+            hidden_states,
+            timestep,
+            encoder_hidden_states,
+            encoder_hidden_states_image,
+            start_frame=start_frame,
+            cache_tag=cache_tag,
+            store_kv=store_kv,
         )
         frame_timesteps = self._frame_timesteps(timestep, batch_size, post_f)
         device = hidden_states.device
 
         rope_offset = self._rope_offset_for(cache_tag, start_frame, post_f, post_h, post_w)
-        self._rebase_rope(cache_tag, rope_offset, device)
         rotary_emb = self.rotary_tables(start_frame - rope_offset, post_f, post_h, post_w, device)
         hidden_states = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()  # (B, F*S, D)
         cp_config = context_parallel_config(self)
@@ -454,29 +466,37 @@ class CausalWanMixin:
         image_len = self._image_token_count(encoder_hidden_states_image)
 
         conditioning = (encoder_hidden_states, encoder_hidden_states_image)
-        ctx = self._prepare_context(
-            batch_size=batch_size,
-            num_frames=post_f,
-            frame_seqlen=post_h * post_w,
-            start_frame=start_frame,
-            cache_tag=cache_tag,
-            store_kv=store_kv,
-            device=device,
-            conditioning=conditioning,
-            text_len=encoder_hidden_states.shape[1],
-            image_len=image_len,
-        )
-        # Every engine reads its cached cross K/V: the context embedding would go unused.
-        reads_all = all(mode is CrossKVMode.READ for mode in ctx.cross_modes.values())
-        context = None if reads_all else self._embed_context(encoder_hidden_states, encoder_hidden_states_image)
+        # The engine operations of this forward are one transaction: a failure anywhere below restores every cache.
+        engines = list(self.kv_cache_engines.values())
+        for engine in engines:
+            engine.begin_transaction(cache_tag)
         try:
+            self._rebase_rope(cache_tag, rope_offset, device)
+            ctx = self._prepare_context(
+                batch_size=batch_size,
+                num_frames=post_f,
+                frame_seqlen=post_h * post_w,
+                start_frame=start_frame,
+                cache_tag=cache_tag,
+                store_kv=store_kv,
+                device=device,
+                conditioning=conditioning,
+                text_len=encoder_hidden_states.shape[1],
+                image_len=image_len,
+            )
+            # Every engine reads its cached cross K/V: the context embedding would go unused.
+            reads_all = all(mode is CrossKVMode.READ for mode in ctx.cross_modes.values())
+            context = None if reads_all else self._embed_context(encoder_hidden_states, encoder_hidden_states_image)
             hidden_states = self._forward_blocks(
                 hidden_states, context, timestep_proj, rotary_emb, ctx, **block_inputs
             )
+            self._finish_call(ctx, conditioning)
         except BaseException:
-            self._finish_call(ctx, conditioning, failed=True)
+            for engine in engines:
+                engine.rollback()
             raise
-        self._finish_call(ctx, conditioning, failed=False)
+        for engine in engines:
+            engine.end_transaction()
 
         output = self._output_head(hidden_states, temb, batch_size, post_f, post_h, post_w)
         if not return_dict:

@@ -1,5 +1,14 @@
-"""Causal Wan pipelines and the chunk rollout they share."""
+"""Causal Wan pipelines and the rollout they share (options, session, conditioners, policies)."""
 
+from .conditioning import (
+    Conditioner,
+    FirstFrameConditioner,
+    GivenFramesConditioner,
+    ImageConcatConditioner,
+    VACEConditioner,
+)
+from .live import LiveRolloutMixin
+from .options import ImageToVideoOptions, RolloutOptions, VACEOptions
 from .pipeline_wan_causal import (
     WanCausalPipeline,
     causal_scheduler_from_config,
@@ -8,13 +17,31 @@ from .pipeline_wan_causal import (
 )
 from .pipeline_wan_i2v_causal import I2V_LAYOUTS, WanCausalImageToVideoPipeline, detect_i2v_layout
 from .pipeline_wan_vace_causal import WanCausalVACEPipeline, causal_transformer_from_wan_vace
-from .rollout import CausalRolloutMixin, ChunkOutput, RolloutRun
+from .policy import RolloutPolicy, SequentialPolicy
+from .records import ChunkOutput, ChunkRecord
+from .rollout import CausalRolloutMixin, RolloutRun
+from .session import RolloutSession
+from .sources import NoiseSource
 
 __all__ = [
     "CausalRolloutMixin",
     "ChunkOutput",
+    "ChunkRecord",
+    "Conditioner",
+    "FirstFrameConditioner",
+    "GivenFramesConditioner",
     "I2V_LAYOUTS",
+    "ImageConcatConditioner",
+    "ImageToVideoOptions",
+    "LiveRolloutMixin",
+    "NoiseSource",
+    "RolloutOptions",
+    "RolloutPolicy",
     "RolloutRun",
+    "RolloutSession",
+    "SequentialPolicy",
+    "VACEConditioner",
+    "VACEOptions",
     "WanCausalImageToVideoPipeline",
     "WanCausalPipeline",
     "WanCausalVACEPipeline",

@@ -1,124 +1,61 @@
 """Live generation on top of the causal rollout: streaming, prompt switching, and continue / redo / branch.
 
-* [`LiveRolloutMixin.stream`] takes the arguments of the pipeline's ``__call__`` and yields a [`StreamChunk`] as soon
+* [`LiveRolloutMixin.stream`] takes the arguments of the pipeline's ``__call__`` and yields a [`ChunkRecord`] as soon
   as each chunk is done: its clean latents and its frames, decoded by [`StreamingWanDecoder`] so that the
   concatenated frames equal the frames of ``pipe(...)`` exactly.
 * Prompt schedules: ``prompt={0: "a cat", 48: "a dog"}`` (pixel frame -> prompt) switches the conditional prompt at
   the first chunk that starts at or after each frame. The switch invalidates the cross K/V of the conditional cache
   tag; with ``recache=True`` the self K/V of the chunks before the switch are recomputed under the new prompt too
   (LongLive's recache), so the next chunks attend to a history encoded under the prompt they follow.
-* Kept rollouts: ``pipe(..., keep_cache=True)`` keeps the KV caches and the chunks' latents as the branch ``"main"``;
-  [`LiveRolloutMixin.continue_rollout`] appends frames, [`LiveRolloutMixin.redo_last_chunk`] rewinds the caches by
-  the last chunk and generates it again, [`LiveRolloutMixin.fork_rollout`] copies a branch (caches included) so that
-  several continuations share one prefix.
+* Kept rollouts: ``pipe(..., keep_cache=True)`` keeps the rollout's [`RolloutSession`] (its KV caches, chunks and
+  conditioner) as the branch ``"main"``; [`LiveRolloutMixin.continue_rollout`] appends frames,
+  [`LiveRolloutMixin.redo_last_chunk`] rewinds the caches by the last chunk and generates it again,
+  [`LiveRolloutMixin.fork_rollout`] copies a branch (caches included) so that several continuations share one prefix.
+  Every pipeline's sessions keep their conditioner (image, clip or control), so I2V and VACE rollouts continue too.
 """
 
 from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, nullcontext
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
 
 import torch
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
+from diffusers.utils import logging
 from diffusers.utils.torch_utils import randn_tensor
 
-from ..chunking import chunk_bounds, chunk_layout
+from ..chunking import ChunkPlan, chunk_bounds, chunk_layout
 from ..parallel import is_main_process
+from .records import ChunkRecord, RolloutChunk, StreamChunk
+from .rollout import OUTPUT_TYPES, CausalRolloutMixin
+from .session import MAIN_BRANCH, RolloutSession, branch_cache_tags
+from .sources import NoiseSource
 from .streaming_decode import StreamingWanDecoder
 
-if TYPE_CHECKING:
-    from .rollout import ChunkOutput
+logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 
-OUTPUT_TYPES = ("np", "pil", "pt", "latent")
+KeptRollout = RolloutSession  # a kept rollout is its session
 
-MAIN_BRANCH = "main"
-
-
-def branch_cache_tags(branch: str) -> tuple[str, str]:
-    """``(conditional, unconditional)`` cache tags of a rollout branch: ``("pos", "neg")`` for ``"main"``."""
-    return ("pos", "neg") if branch == MAIN_BRANCH else (f"{branch}/pos", f"{branch}/neg")
-
-
-@dataclass(frozen=True)
-class RolloutChunk:
-    """A finished chunk of a kept rollout.
-
-    Args:
-        index: position of the chunk in the rollout.
-        start: absolute index of its first latent frame (``end`` is one past its last).
-        latents: ``(B, C, end - start, H, W)`` clean latents.
-        context: ``(B, C, end - start, H, W)`` input of its cache pass (``latents``, re-noised when the rollout's
-            ``context_noise > 0``); a recache runs it again under a new prompt.
-    """
-
-    index: int
-    start: int
-    end: int
-    latents: torch.Tensor
-    context: torch.Tensor
+__all__ = [
+    "MAIN_BRANCH",
+    "OUTPUT_TYPES",
+    "KeptRollout",
+    "LiveRolloutMixin",
+    "RolloutChunk",
+    "StreamChunk",
+    "branch_cache_tags",
+    "stream_to_video",
+]
 
 
-@dataclass(frozen=True)
-class KeptRollout:
-    """What a rollout left behind with ``keep_cache=True``: its cache tags and everything needed to go on.
-
-    The KV caches themselves stay in the transformer's engines under ``cache_tags``.
-    """
-
-    cache_tags: tuple[str, ...]
-    chunks: tuple[RolloutChunk, ...]
-    prompt_embeds: torch.Tensor
-    negative_prompt_embeds: torch.Tensor | None
-    schedule: dict[str, list[float]]
-    guidance_scale: float
-    context_noise: float
-    attention_kwargs: dict[str, Any] | None
-
-    @property
-    def num_latent_frames(self) -> int:
-        return self.chunks[-1].end if self.chunks else 0
-
-    @property
-    def latents(self) -> torch.Tensor:
-        """``(B, C, F, H, W)`` clean latents of the whole rollout so far."""
-        return torch.cat([chunk.latents for chunk in self.chunks], dim=2)
-
-
-@dataclass
-class StreamChunk:
-    """One chunk of a streamed video.
-
-    Args:
-        chunk_index: position of the chunk in the rollout.
-        start: absolute index of its first latent frame (``end`` is one past its last).
-        latents: ``(B, C, end - start, H, W)`` clean latents of the chunk.
-        frames: the chunk's new pixel frames in the requested ``output_type`` (``"np"``: ``(B, f, H*8, W*8, 3)``,
-            ``"pt"``: ``(B, f, 3, H*8, W*8)``, ``"pil"``: lists of images), ``None`` for ``"latent"``; ``f`` is
-            ``4 * (end - start) - 3`` for the first chunk and ``4 * (end - start)`` after it.
-        frame_start: index in the whole video of the first of these pixel frames.
-    """
-
-    chunk_index: int
-    start: int
-    end: int
-    latents: torch.Tensor
-    frames: Any
-    frame_start: int
-
-
-class LiveRolloutMixin:
-    """Streaming, prompt schedules and kept-rollout editing for the pipelines of [`CausalRolloutMixin`]."""
-
-    # Whether the pipeline's per-chunk conditioning (the rollout hooks) survives its ``__call__``, so that a kept
-    # rollout can be continued. Text-to-video conditions on the prompt only.
-    _resumable_rollouts = False
+class LiveRolloutMixin(CausalRolloutMixin):
+    """Streaming and kept-rollout editing (continue, redo, fork) on top of [`CausalRolloutMixin`]."""
 
     # ------------------------------------------------------------------ streaming
-    def stream(self, *args, **kwargs) -> Iterator[StreamChunk]:
+    def stream(self, *args, **kwargs) -> Iterator[ChunkRecord]:
         r"""Generate like ``__call__`` (same arguments), yielding each chunk as soon as it is done.
 
         The stream prepares the call like ``__call__`` ([`CausalRolloutMixin.prepare_rollout`]) and iterates the
@@ -129,21 +66,21 @@ class LiveRolloutMixin:
         consumer) closes the rollout, which frees the caches: the pipeline is then as fresh as before. With
         ``keep_cache=True`` the rollout is kept once the last chunk is handed out. Do not call the pipeline while one
         of its streams is open; they share the KV caches. ``return_dict`` is ignored. Every step runs under
-        ``torch.no_grad`` as ``__call__`` does; the caller's grad mode is left as it is between chunks.
+        ``torch.no_grad`` as ``__call__`` does; the caller's grad mode is left as it is between chunks. The stream
+        holds no chunk after handing it out (unless ``keep_cache`` or a recache needs them), so a long windowed
+        stream runs in flat memory.
 
         Yields:
-            [`StreamChunk`] per chunk, in order.
+            [`ChunkRecord`] per chunk, in order, with its ``frames`` and ``frame_start``.
         """
         bound = inspect.signature(self.__call__).bind(*args, **kwargs)
         bound.apply_defaults()
-        call_kwargs = dict(bound.arguments)
-        del call_kwargs["return_dict"]
-        output_type = call_kwargs["output_type"]
-        run = self.prepare_rollout(**call_kwargs)  # validates `output_type` before any model work
+        options = self._options_class(**bound.arguments)
+        run = self.prepare_rollout(options)  # validates `output_type` before any model work
+        output_type = run.options.output_type
         decode = output_type != "latent" and is_main_process(self.transformer)  # under context parallelism rank 0
         with (
-            run,
-            closing(self.rollout(**run.rollout_kwargs)) as chunks,
+            closing(run.chunks()) as chunks,
             StreamingWanDecoder(self.vae) if decode else nullcontext() as decoder,
         ):
             while True:
@@ -152,187 +89,38 @@ class LiveRolloutMixin:
                     chunk = next(chunks, None)
                     if chunk is None:
                         return
-                    if chunk.is_last:  # let the rollout finish: a consumer that stops now keeps a kept rollout
-                        next(chunks, None)
                     streamed = self._stream_chunk(chunk, run.num_reference_frames, decoder, output_type)
                 yield streamed
 
     def _stream_chunk(
-        self, chunk: ChunkOutput, num_reference_frames: int, decoder: StreamingWanDecoder | None, output_type: str
-    ) -> StreamChunk:
+        self, chunk: ChunkRecord, num_reference_frames: int, decoder: StreamingWanDecoder | None, output_type: str
+    ) -> ChunkRecord:
         """Decode the video frames of a finished chunk (the first ``num_reference_frames`` latent frames of the
-        rollout excluded) into a [`StreamChunk`]; ``decoder`` is ``None`` when nothing is decoded."""
+        rollout excluded) into its record; ``decoder`` is ``None`` when nothing is decoded."""
+        chunk = replace(chunk, context=None)
         if decoder is None:
-            return StreamChunk(chunk.chunk_index, chunk.start, chunk.end, chunk.latents, None, 0)
+            return chunk
         latents = chunk.latents[:, :, max(0, num_reference_frames - chunk.start) :]
         frame_start = decoder.num_decoded_frames
         frames = None
         if latents.shape[2] > 0:
             frames = self.video_processor.postprocess_video(decoder.decode(latents), output_type=output_type)
-        return StreamChunk(chunk.chunk_index, chunk.start, chunk.end, chunk.latents, frames, frame_start)
-
-    # ------------------------------------------------------------------ prompt schedules
-    @staticmethod
-    def split_prompt_schedule(prompt: Any, prompt_embeds: Any) -> tuple[Any, Any, dict[int, Any]]:
-        """Split a prompt schedule into the prompt of frame 0 and the later switches.
-
-        ``prompt`` (or ``prompt_embeds``) may be a dict ``{pixel_frame: prompt}`` whose keys include 0; anything else
-        is returned as it is with no switches.
-
-        Returns:
-            ``(prompt, prompt_embeds, switches)``: the frame-0 entry in place of the dict and ``{frame: prompt or
-            (B, L, text_dim) embeddings}`` for the frames after 0.
-        """
-        name, schedule = ("prompt", prompt) if isinstance(prompt, Mapping) else ("prompt_embeds", prompt_embeds)
-        if not isinstance(schedule, Mapping):
-            return prompt, prompt_embeds, {}
-        frames = list(schedule)
-        if any(isinstance(f, bool) or not isinstance(f, int) or f < 0 for f in frames) or 0 not in schedule:
-            raise ValueError(
-                f"A `{name}` schedule must map pixel frames (ints >= 0, 0 included) to prompts, e.g. "
-                f"{{0: 'a cat', 48: 'a dog'}}; got the keys {frames}."
-            )
-        switches = {frame: schedule[frame] for frame in sorted(frames) if frame > 0}
-        if name == "prompt":
-            return schedule[0], prompt_embeds, switches
-        return prompt, schedule[0], switches
-
-    def encode_prompt_switches(
-        self,
-        switches: Mapping[int, Any],
-        prompt_embeds: torch.Tensor,
-        max_sequence_length: int,
-        device: torch.device,
-    ) -> dict[int, torch.Tensor]:
-        """Encode the prompts of ``switches`` (``{pixel_frame: prompt or embeddings}``) like the frame-0 prompt.
-
-        Args:
-            prompt_embeds: ``(B, L, text_dim)`` embeddings of the frame-0 prompt: every switch must match its batch
-                and width.
-
-        Returns:
-            ``{pixel_frame: (B, L', text_dim)}`` in the transformer's dtype.
-        """
-        encoded = {}
-        for frame, value in switches.items():
-            if isinstance(value, torch.Tensor):
-                embeds = value
-            else:
-                embeds = self.encode_prompt(
-                    prompt=value,
-                    do_classifier_free_guidance=False,
-                    max_sequence_length=max_sequence_length,
-                    device=device,
-                )[0]
-            if (
-                embeds.ndim != 3
-                or embeds.shape[0] != prompt_embeds.shape[0]
-                or embeds.shape[2] != prompt_embeds.shape[2]
-            ):
-                raise ValueError(
-                    f"The prompt at frame {frame} encodes to {tuple(embeds.shape)}, but the frame-0 prompt to "
-                    f"{tuple(prompt_embeds.shape)}: a switch must keep the batch and the text width."
-                )
-            encoded[frame] = embeds.to(device, self.transformer.dtype)
-        return encoded
-
-    def prompt_switch_chunks(
-        self, switches: Mapping[int, torch.Tensor], bounds: Sequence[tuple[int, int]]
-    ) -> dict[int, torch.Tensor]:
-        """Map ``{pixel_frame: embeddings}`` to ``{chunk_index: embeddings}``: a switch takes effect at the first
-        chunk whose first pixel frame is at or after its frame (latent frame ``s >= 1`` starts at pixel ``4s - 3``)."""
-        temporal = self.vae_scale_factor_temporal
-        firsts = [0 if start == 0 else temporal * start - (temporal - 1) for start, _ in bounds]
-        by_chunk: dict[int, torch.Tensor] = {}
-        for frame, embeds in switches.items():
-            index = next((i for i, first in enumerate(firsts) if first >= frame), None)
-            if index is None:
-                raise ValueError(
-                    f"The prompt switch at pixel frame {frame} is past the last chunk, which starts at pixel frame "
-                    f"{firsts[-1]}; chunks start at pixel frames {firsts}."
-                )
-            if index in by_chunk:
-                raise ValueError(
-                    f"Two prompt switches take effect at the same chunk (starting at pixel frame {firsts[index]}); "
-                    f"chunks start at pixel frames {firsts}: keep one switch per chunk."
-                )
-            by_chunk[index] = embeds
-        return by_chunk
-
-    def _switch_prompt(
-        self,
-        prompt_embeds: torch.Tensor,
-        history: Sequence[RolloutChunk],
-        cache_tag: str,
-        context_timestep: torch.Tensor,
-        recache: bool,
-    ) -> None:
-        """Condition ``cache_tag`` on ``prompt_embeds`` from the next chunk on.
-
-        The tag's cross K/V are invalidated (the next cache pass refills them). With ``recache``, every chunk of
-        ``history`` runs its cache pass again under the new prompt, in order (``store_kv=True`` replaces what the
-        tag held from that chunk on): one transformer forward per earlier chunk, no denoising.
-        """
-        for engine in self.transformer.kv_cache_engines.values():
-            engine.invalidate_cross(cache_tag)
-        if not recache:
-            return
-        for chunk in history:
-            self._chunk_forward(
-                chunk.context,
-                context_timestep,
-                prompt_embeds,
-                chunk_index=chunk.index,
-                start=chunk.start,
-                end=chunk.end,
-                cache_tag=cache_tag,
-                store_kv=True,
-            )
+        return replace(chunk, frames=frames, frame_start=frame_start)
 
     # ------------------------------------------------------------------ kept rollouts
-    @property
-    def rollout_branches(self) -> list[str]:
-        """Names of the kept rollouts (``"main"`` after ``pipe(..., keep_cache=True)``, then the forks)."""
-        return list(self.__dict__.get("_kept_rollouts", {}))
-
-    def kept_rollout(self, branch: str = MAIN_BRANCH) -> KeptRollout:
-        """The [`KeptRollout`] of ``branch``; ``ValueError`` when there is none."""
-        kept = self.__dict__.get("_kept_rollouts", {})
-        if branch not in kept:
-            raise ValueError(
-                f"No kept rollout on branch {branch!r} (kept: {sorted(kept)}): run the pipeline with "
-                "`keep_cache=True` first, or fork an existing branch."
-            )
-        return kept[branch]
-
-    def discard_rollout(self, branch: str | None = None) -> None:
-        """Free the caches of ``branch`` (every kept rollout when ``None``)."""
-        kept = self.__dict__.setdefault("_kept_rollouts", {})
-        if branch is None:
-            self.transformer.clear_caches()
-            kept.clear()
-            return
-        for engine in self.transformer.kv_cache_engines.values():
-            for tag in branch_cache_tags(branch):
-                engine.clear(tag)
-        kept.pop(branch, None)
-
     def fork_rollout(self, branch: str, source: str = MAIN_BRANCH) -> None:
-        """Copy the kept rollout ``source`` (its KV caches under new tags, its latents) to a new branch ``branch``.
+        """Copy the kept rollout ``source`` (its KV caches under new tags, its chunks, its conditioner) to a new
+        branch ``branch``.
 
         Both branches then continue independently from the shared prefix ([`continue_rollout`] and
-        [`redo_last_chunk`] take ``branch=``), like llama.cpp's ``seq_cp``. The copy shares the stored K/V tensors
-        (they are never written in place), so a fork costs no cache memory until the branches diverge.
+        [`redo_last_chunk`] take ``branch=``), like llama.cpp's ``seq_cp``. Memory: the static engine clones the
+        source's cache buffers (a fork costs the source's cache bytes at once), the vanilla engine shares the stored
+        K/V tensors (never written in place) until the branches diverge; the chunk latents are shared.
         """
         kept = self.kept_rollout(source)
         if branch in self.rollout_branches:
             raise ValueError(f"Branch {branch!r} exists already (kept: {self.rollout_branches}); pick a new name.")
-        target_tags = branch_cache_tags(branch)[: len(kept.cache_tags)]
-        for engine in self.transformer.kv_cache_engines.values():
-            for source_tag, target_tag in zip(kept.cache_tags, target_tags):
-                if engine.tag_state(source_tag) is not None:
-                    engine.copy_tag(source_tag, target_tag)
-        self._kept_rollouts[branch] = replace(kept, cache_tags=target_tags)
+        self._sessions[branch] = kept.fork(branch)
 
     @torch.no_grad()
     def continue_rollout(
@@ -376,7 +164,8 @@ class LiveRolloutMixin:
                 Text tokens of the new prompt's encoding.
 
         Returns:
-            The frames of the whole video of the branch so far (all chunks, decoded at once), as `__call__` returns.
+            The frames of the whole video of the branch so far (all chunks, decoded at once, reference frames left
+            out), as `__call__` returns.
         """
         kept = self.kept_rollout(branch)
         temporal = self.vae_scale_factor_temporal
@@ -428,10 +217,7 @@ class LiveRolloutMixin:
         last = kept.chunks[-1]
 
         def drop_last_chunk() -> None:  # runs once every input is checked, so a bad input leaves the chunk kept
-            for engine in self.transformer.kv_cache_engines.values():
-                for tag in kept.cache_tags:
-                    engine.truncate(tag, last.start)
-            self._kept_rollouts[branch] = replace(kept, chunks=kept.chunks[:-1])
+            kept.truncate(last.start)
 
         return self._resume_rollout(
             branch, [(last.start, last.end)], last.latents.shape, prompt, prompt_embeds, recache, generator, latents,
@@ -453,17 +239,12 @@ class LiveRolloutMixin:
         max_sequence_length: int,
         before_rollout: Callable[[], None] | None = None,
     ) -> WanPipelineOutput | tuple:
-        """Run the rollout on ``bounds`` after the kept chunks of ``branch`` and decode the branch's whole video.
+        """Run the policy on ``bounds`` after the kept chunks of ``branch`` and decode the branch's whole video.
 
         ``kept_shape`` is the ``(B, C, F, H, W)`` shape of a kept chunk's latents (the new noise has its B, C, H, W).
         ``before_rollout`` runs once every input is checked and encoded, right before the rollout (``redo`` drops
         the chunk it regenerates there, so that a bad input leaves the kept rollout as it was).
         """
-        if not self._resumable_rollouts:
-            raise NotImplementedError(
-                f"{type(self).__name__} conditions its chunks on inputs of its `__call__` that are not kept: kept "
-                "rollouts can be continued with the text-to-video WanCausalPipeline."
-            )
         if prompt is not None and prompt_embeds is not None:
             raise ValueError("Pass either `prompt` or `prompt_embeds`, not both.")
         if output_type not in OUTPUT_TYPES:
@@ -474,12 +255,12 @@ class LiveRolloutMixin:
                 f"Continuing to latent frame {bounds[-1][1]} runs past the RoPE table of {config.rope_max_seq_len} "
                 "frames; call `pipe.transformer.enable_rope_rebasing()` (with an `attention_window`) to go on."
             )
-        kept = self.kept_rollout(branch)
+        session = self.kept_rollout(branch)
         device = self._execution_device
         new_embeds = None
         if prompt is not None or prompt_embeds is not None:
             new_embeds = self.encode_prompt_switches(
-                {0: prompt_embeds if prompt is None else prompt}, kept.prompt_embeds, max_sequence_length, device
+                {0: prompt_embeds if prompt is None else prompt}, session.prompt_embeds, max_sequence_length, device
             )[0]
         batch, channels, _, height, width = kept_shape
         shape = (batch, channels, bounds[-1][1] - bounds[0][0], height, width)
@@ -487,39 +268,39 @@ class LiveRolloutMixin:
             latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
         elif tuple(latents.shape) != shape:
             raise ValueError(f"`latents` must have shape {shape} (B, C, F, H, W), got {tuple(latents.shape)}.")
-        past = torch.zeros(shape[:2] + (bounds[0][0],) + shape[3:], device=device, dtype=torch.float32)
+        session.conditioner.extend(bounds[-1][1])
         if before_rollout is not None:
             before_rollout()
-        kept = self.kept_rollout(branch)
-        switches = {} if new_embeds is None else {len(kept.chunks): new_embeds}
-        for _ in self.rollout(
-            torch.cat([past, latents.to(device, torch.float32)], dim=2),
-            kept.prompt_embeds,
-            kept.negative_prompt_embeds,
-            chunk_bounds=bounds,
-            schedule=kept.schedule,
-            guidance_scale=kept.guidance_scale,
-            context_noise=kept.context_noise,
+        first_index = session.num_chunks
+        switches = {} if new_embeds is None else {first_index: new_embeds}
+        plan = ChunkPlan.from_bounds(
+            bounds, session.schedule, first_index=first_index, first_schedule=session.first_schedule
+        )
+        for _ in self.run_policy(
+            session,
+            plan,
+            NoiseSource(latents.to(device, torch.float32), start_frame=bounds[0][0]),
             generator=generator,
-            attention_kwargs=kept.attention_kwargs,
             keep_cache=True,
             prompt_switches=switches,
             recache=recache,
-            branch=branch,
             resume=True,
         ):
             pass
-        video = self.decode_latents(self.kept_rollout(branch).latents, output_type)
-        self.maybe_free_model_hooks()
-        if not return_dict:
-            return (video,)
-        return WanPipelineOutput(frames=video)
+        return self.finish_output(self.kept_rollout(branch).video_latents, output_type, return_dict)
 
 
-def stream_to_video(pipe: LiveRolloutMixin, path: str, fps: int = 16, **call_kwargs) -> tuple[int, float, float]:
+def stream_to_video(
+    pipe: LiveRolloutMixin,
+    path: str,
+    fps: int = 16,
+    on_first_frames: Callable[[int, float], None] | None = None,
+    **call_kwargs,
+) -> tuple[int, float, float]:
     """Stream ``pipe(**call_kwargs)`` into an mp4 at ``path``, writing each chunk's frames as soon as they come.
 
-    Uses imageio's ffmpeg writer (batch element 0). Prints the time to the first frames.
+    Uses imageio's ffmpeg writer (batch element 0). ``on_first_frames(num_frames, seconds)`` is called once the first
+    frames are written (the CLI prints the time to them); by default it is logged.
 
     Returns:
         ``(num_frames, seconds_to_first_frames, total_seconds)``.
@@ -536,5 +317,8 @@ def stream_to_video(pipe: LiveRolloutMixin, path: str, fps: int = 16, **call_kwa
             num_frames += len(chunk.frames[0])
             if first is None:
                 first = time.perf_counter() - start
-                print(f"First {num_frames} frames after {first:.2f} s.")
+                if on_first_frames is None:
+                    logger.info(f"First {num_frames} frames after {first:.2f} s.")
+                else:
+                    on_first_frames(num_frames, first)
     return num_frames, first, time.perf_counter() - start

@@ -31,8 +31,9 @@ from diffusers.video_processor import VideoProcessor
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from ..models import WanCausalTransformer3DModel
-from .live import OUTPUT_TYPES
-from .rollout import CausalRolloutMixin, RolloutRun
+from .live import LiveRolloutMixin
+from .options import RolloutOptions
+from .rollout import OUTPUT_TYPES, RolloutShape
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 
@@ -105,14 +106,14 @@ def causal_scheduler_from_config(config: dict[str, Any]) -> FlowMatchEulerDiscre
     )
 
 
-class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixin):
+class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, LiveRolloutMixin):
     r"""
     Text-to-video generation with a causal Wan student (Self-Forcing, CausVid, ...): the video is generated chunk by
     chunk of latent frames, each chunk attending to the KV cache of the chunks before it.
 
     This model inherits from [`DiffusionPipeline`]. Check the superclass documentation for the generic methods
-    implemented for all pipelines (downloading, saving, running on a particular device, etc.). The chunk loop is
-    [`CausalRolloutMixin.rollout`], shared with the image-to-video and VACE pipelines.
+    implemented for all pipelines (downloading, saving, running on a particular device, etc.). The rollout (prepare
+    template, session, policy) is [`CausalRolloutMixin`]'s, shared with the image-to-video and VACE pipelines.
 
     Args:
         tokenizer ([`T5Tokenizer`], *optional*):
@@ -128,11 +129,20 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         transformer ([`WanCausalTransformer3DModel`]):
             The causal transformer. A plain `WanTransformer3DModel` is converted (weights shared) by
             [`~WanCausalPipeline.from_pretrained`] and [`~WanCausalPipeline.from_pipe`].
+        timesteps (`list[float]`, *optional*):
+            Stored default timesteps of every chunk (a converted student's), used when a call names no schedule.
+        context_noise (`float`, defaults to `0.0`):
+            Stored default timestep of the cache pass.
+        first_chunk_timesteps (`list[float]`, *optional*):
+            Stored default timesteps of the first chunk (Causal Forcing++); later chunks use `timesteps`.
+        attention_window (`int`, *optional*):
+            Stored default sliding attention window in latent frames (the one the student was trained with).
+        sink_frames (`int`, defaults to `0`):
+            Stored default sink frames of the window.
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     _optional_components = ["tokenizer", "text_encoder"]
-    _resumable_rollouts = True
     _transformer_class = WanCausalTransformer3DModel
 
     def __init__(
@@ -144,6 +154,9 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         transformer: WanCausalTransformer3DModel,
         timesteps: list[float] | None = None,
         context_noise: float = 0.0,
+        first_chunk_timesteps: list[float] | None = None,
+        attention_window: int | None = None,
+        sink_frames: int = 0,
     ):
         super().__init__()
         if not isinstance(transformer, self._transformer_class):
@@ -157,7 +170,14 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, scheduler=scheduler
         )
         # The student's sampling settings (written by `fastgen-diffusers convert`): used when a call names none.
-        self.register_to_config(timesteps=None if timesteps is None else list(timesteps), context_noise=context_noise)
+        self.register_to_config(
+            timesteps=None if timesteps is None else list(timesteps),
+            context_noise=context_noise,
+            first_chunk_timesteps=None if first_chunk_timesteps is None else list(first_chunk_timesteps),
+            attention_window=attention_window,
+            sink_frames=sink_frames,
+        )
+        self._init_rollout_state()
         self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal if getattr(self, "vae", None) else 4
         self.vae_scale_factor_spatial = self.vae.config.scale_factor_spatial if getattr(self, "vae", None) else 8
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
@@ -167,8 +187,9 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs) -> WanCausalPipeline:
         r"""Load a causal pipeline from a diffusers Wan directory or Hub repo (the layout `WanPipeline` saves).
 
-        Unless given as `transformer=`, the `transformer` subfolder loads as a [`WanCausalTransformer3DModel`]
-        (bit-identical weights; a saved causal config keeps its `chunk_size`). Unless given as `scheduler=`, the
+        Unless given as `transformer=`, the `transformer` subfolder loads as the class's causal transformer
+        (`_transformer_class`: [`WanCausalTransformer3DModel`], or the VACE one; bit-identical weights; a saved
+        causal config keeps its `chunk_size`). Unless given as `scheduler=`, the
         scheduler is built by [`causal_scheduler_from_config`] from the saved one. Every other argument is
         [`DiffusionPipeline.from_pretrained`]'s.
         """
@@ -178,7 +199,7 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             if isinstance(dtype, dict):
                 dtype = dtype.get("transformer", dtype.get("default"))
             model_kwargs = {key: kwargs[key] for key in ("variant", "use_safetensors") if key in kwargs}
-            kwargs["transformer"] = WanCausalTransformer3DModel.from_pretrained(
+            kwargs["transformer"] = cls._transformer_class.from_pretrained(
                 pretrained_model_name_or_path, subfolder="transformer", dtype=dtype, **model_kwargs, **hub_kwargs
             )
         if "scheduler" not in kwargs:
@@ -210,28 +231,17 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
     encode_prompt = WanPipeline.encode_prompt
     prepare_latents = WanPipeline.prepare_latents
 
-    def check_inputs(
-        self,
-        prompt: str | list[str] | None,
-        negative_prompt: str | list[str] | None,
-        height: int,
-        width: int,
-        num_frames: int,
-        num_inference_steps: int,
-        timesteps: Sequence[float] | None,
-        sigmas: Sequence[float] | None,
-        guidance_scale: float,
-        chunk_size: int | None,
-        context_noise: float,
-        generator: torch.Generator | list[torch.Generator] | None,
-        latents: torch.Tensor | None,
-        prompt_embeds: torch.Tensor | None,
-        negative_prompt_embeds: torch.Tensor | None,
-        output_type: str,
-        callback_on_step_end_tensor_inputs: Sequence[str] | None,
-        max_sequence_length: int,
-    ) -> None:
-        """Raise ``ValueError`` naming the argument and the accepted values; runs before any model work."""
+    def check_inputs(self, options: RolloutOptions, shape: RolloutShape, batch_size: int) -> None:
+        """Raise ``ValueError`` naming the argument and the accepted values; runs before any model work.
+
+        ``shape`` is what the call generates (VACE counts its reference images in ``shape.num_frames``) and
+        ``batch_size`` the batch of its prompt ([`CausalRolloutMixin.batch_size_of`]).
+        """
+        o = options
+        prompt, negative_prompt, prompt_embeds, negative_prompt_embeds = (
+            o.prompt, o.negative_prompt, o.prompt_embeds, o.negative_prompt_embeds
+        )  # fmt: skip
+        height, width, num_frames = shape.height, shape.width, shape.num_frames
         multiple = self.vae_scale_factor_spatial * self.transformer.config.patch_size[1]
         if height % multiple != 0 or width % multiple != 0 or height <= 0 or width <= 0:
             raise ValueError(
@@ -244,7 +254,15 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
                 f"got {num_frames!r}."
             )
         num_latent_frames = (num_frames - 1) // temporal + 1
-        self.check_rollout_inputs(num_latent_frames, chunk_size, num_inference_steps, timesteps, sigmas, context_noise)
+        self.check_rollout_inputs(
+            num_latent_frames,
+            o.chunk_size,
+            o.num_inference_steps,
+            o.timesteps,
+            o.sigmas,
+            o.context_noise,
+            o.first_chunk_timesteps,
+        )
 
         if prompt is not None and prompt_embeds is not None:
             raise ValueError("Pass either `prompt` or `prompt_embeds`, not both.")
@@ -262,25 +280,24 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
                 "`prompt_embeds` instead."
             )
 
-        batch_size = 1 if isinstance(prompt, str) else len(prompt) if prompt is not None else prompt_embeds.shape[0]
+        batch_size = self.batch_size_of(prompt, prompt_embeds)  # the prompt is valid now
         text_dim = self.transformer.config.text_dim
         for name, embeds in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
             if embeds is None:
                 continue
             if not isinstance(embeds, torch.Tensor) or embeds.ndim != 3 or embeds.shape[-1] != text_dim:
-                shape = tuple(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+                got = tuple(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
                 raise ValueError(
-                    f"`{name}` must be a (batch, tokens, {text_dim}) tensor (the transformer's "
-                    f"`text_dim`), got {shape}."
+                    f"`{name}` must be a (batch, tokens, {text_dim}) tensor (the transformer's `text_dim`), got {got}."
                 )
             if embeds.shape[0] != batch_size:
                 raise ValueError(f"`{name}` has batch {embeds.shape[0]}, but the prompt batch is {batch_size}.")
 
-        if guidance_scale > 1.0 and negative_prompt_embeds is None:
+        if o.guidance_scale > 1.0 and negative_prompt_embeds is None:
             if self.text_encoder is None or self.tokenizer is None:
                 raise ValueError(
-                    f"`guidance_scale={guidance_scale}` (> 1, classifier-free guidance) needs a negative prompt: pass "
-                    "`negative_prompt_embeds` (this pipeline has no text encoder), or use `guidance_scale=1.0`."
+                    f"`guidance_scale={o.guidance_scale}` (> 1, classifier-free guidance) needs a negative prompt: "
+                    "pass `negative_prompt_embeds` (this pipeline has no text encoder), or use `guidance_scale=1.0`."
                 )
             if isinstance(negative_prompt, list) and len(negative_prompt) != batch_size:
                 raise ValueError(
@@ -290,20 +307,20 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             if negative_prompt is not None and type(negative_prompt) is not type(prompt) and prompt is not None:
                 raise ValueError("`negative_prompt` must be of the same type as `prompt` (both str or both lists).")
 
-        if isinstance(generator, list) and len(generator) != batch_size:
+        if isinstance(o.generator, list) and len(o.generator) != batch_size:
             raise ValueError(
-                f"`generator` is a list of {len(generator)} generators, but the batch is {batch_size}: pass one "
+                f"`generator` is a list of {len(o.generator)} generators, but the batch is {batch_size}: pass one "
                 f"generator or a list of {batch_size}."
             )
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
-        if callback_on_step_end_tensor_inputs is not None:
-            unknown = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
+        if o.output_type not in OUTPUT_TYPES:
+            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {o.output_type!r}.")
+        if o.callback_on_step_end_tensor_inputs is not None:
+            unknown = [k for k in o.callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
             if unknown:
                 raise ValueError(
                     f"`callback_on_step_end_tensor_inputs` must be in {self._callback_tensor_inputs}, got {unknown}."
                 )
-        if latents is not None:
+        if o.latents is not None:
             expected = (
                 batch_size,
                 self.transformer.config.out_channels,
@@ -311,128 +328,14 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
                 height // self.vae_scale_factor_spatial,
                 width // self.vae_scale_factor_spatial,
             )
-            if tuple(latents.shape) != expected:
-                raise ValueError(f"`latents` must have shape {expected} (B, C, F, H, W), got {tuple(latents.shape)}.")
-        if not isinstance(max_sequence_length, int) or max_sequence_length < 1:
-            raise ValueError(f"`max_sequence_length` must be a positive integer, got {max_sequence_length!r}.")
+            if tuple(o.latents.shape) != expected:
+                raise ValueError(
+                    f"`latents` must have shape {expected} (B, C, F, H, W), got {tuple(o.latents.shape)}."
+                )
+        if not isinstance(o.max_sequence_length, int) or o.max_sequence_length < 1:
+            raise ValueError(f"`max_sequence_length` must be a positive integer, got {o.max_sequence_length!r}.")
 
     # ------------------------------------------------------------------ generation
-    @torch.no_grad()
-    def prepare_rollout(
-        self,
-        *,
-        prompt: str | list[str] | dict[int, str | list[str]] | None,
-        negative_prompt: str | list[str] | None,
-        height: int,
-        width: int,
-        num_frames: int,
-        num_inference_steps: int | None,
-        timesteps: Sequence[float] | None,
-        sigmas: Sequence[float] | None,
-        guidance_scale: float,
-        chunk_size: int | None,
-        context_noise: float | None,
-        generator: torch.Generator | list[torch.Generator] | None,
-        latents: torch.Tensor | None,
-        prompt_embeds: torch.Tensor | dict[int, torch.Tensor] | None,
-        negative_prompt_embeds: torch.Tensor | None,
-        output_type: str,
-        attention_kwargs: dict[str, Any] | None,
-        callback_on_step_end: Callable[..., dict[str, torch.Tensor]]
-        | PipelineCallback
-        | MultiPipelineCallbacks
-        | None,
-        callback_on_step_end_tensor_inputs: list[str],
-        max_sequence_length: int,
-        keep_cache: bool,
-        recache: bool,
-        attention_window: int | None,
-        sink_frames: int,
-        kv_cache_engine: str | None,
-    ) -> RolloutRun:
-        r"""Steps 1-5 of [`__call__`] (its arguments but `return_dict`, all by keyword): check the inputs, encode
-        the prompts, prepare the schedule and the noise, configure the KV cache.
-
-        Returns:
-            The [`RolloutRun`] that `__call__` and [`~LiveRolloutMixin.stream`] roll out.
-        """
-        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
-            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
-
-        num_inference_steps, timesteps, context_noise = self.resolve_sampling_defaults(
-            num_inference_steps, timesteps, sigmas, context_noise
-        )
-
-        # 1. Check inputs. Raise error if not correct
-        self.check_kv_cache_inputs(kv_cache_engine, attention_window, sink_frames)
-        prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(prompt, prompt_embeds)
-        self.check_inputs(
-            prompt,
-            negative_prompt,
-            height,
-            width,
-            num_frames,
-            num_inference_steps,
-            timesteps,
-            sigmas,
-            guidance_scale,
-            chunk_size,
-            context_noise,
-            generator,
-            latents,
-            prompt_embeds,
-            negative_prompt_embeds,
-            output_type,
-            callback_on_step_end_tensor_inputs,
-            max_sequence_length,
-        )
-        num_latent_frames = (num_frames - 1) // self.vae_scale_factor_temporal + 1
-        self.check_window_fits_chunks(
-            attention_window, sink_frames, self.rollout_chunk_bounds(num_latent_frames, chunk_size)
-        )
-
-        # 2. Define call parameters
-        device = self._execution_device
-        if isinstance(prompt, str):
-            batch_size = 1
-        elif prompt is not None:
-            batch_size = len(prompt)
-        else:
-            batch_size = prompt_embeds.shape[0]
-
-        # 3. Encode input prompt
-        prompt_embeds, negative_prompt_embeds, prompt_switches = self.encode_rollout_prompts(
-            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, prompt_schedule, guidance_scale,
-            max_sequence_length, device,
-        )  # fmt: skip
-
-        # 4. Prepare timesteps (set on the scheduler again at every chunk)
-        schedule = self.rollout_schedule(num_inference_steps, timesteps, sigmas)
-
-        # 5. Prepare latent variables
-        latents = self.prepare_latents(
-            batch_size,
-            self.transformer.config.out_channels,
-            height,
-            width,
-            num_frames,
-            torch.float32,
-            device,
-            generator,
-            latents,
-        )
-        chunk_bounds, switches_by_chunk = self.plan_chunks(latents.shape[2], locals(), prompt_switches)
-        return self.rollout_run(
-            locals(),
-            latents.clone(),
-            latents=latents,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-            chunk_bounds=chunk_bounds,
-            schedule=schedule,
-            prompt_switches=switches_by_chunk,
-        )
-
     @torch.no_grad()
     @replace_example_docstring(EXAMPLE_DOC_STRING)
     def __call__(
@@ -445,6 +348,7 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         num_inference_steps: int | None = None,
         timesteps: Sequence[float] | None = None,
         sigmas: Sequence[float] | None = None,
+        first_chunk_timesteps: Sequence[float] | None = None,
         guidance_scale: float = 1.0,
         chunk_size: int | None = None,
         context_noise: float | None = None,
@@ -464,7 +368,7 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
         keep_cache: bool = False,
         recache: bool = False,
         attention_window: int | None = None,
-        sink_frames: int = 0,
+        sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
     ) -> WanPipelineOutput | tuple:
         r"""
@@ -495,6 +399,9 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
                 625]`); overrides `num_inference_steps`.
             sigmas (`list[float]`, *optional*):
                 Sigmas in [0, 1], strictly decreasing, shifted by the scheduler; overrides `num_inference_steps`.
+            first_chunk_timesteps (`list[float]`, *optional*):
+                Model-scale timesteps of the first chunk only (Causal Forcing++); later chunks use the schedule
+                above. Defaults to the pipeline's stored `first_chunk_timesteps` when the call names no schedule.
             guidance_scale (`float`, defaults to `1.0`):
                 Classifier-free guidance weight. Students are distilled with guidance baked in, so 1.0 (no CFG, one
                 forward per step) is the default; above 1 the unconditional branch runs with its own KV cache.
@@ -539,8 +446,10 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             attention_window (`int`, *optional*):
                 Sliding attention window in latent frames (Self-Forcing's `local_attn_size`): a chunk attends to at
                 most this many frames, its own and the sink included, so memory and time per chunk stay flat.
-            sink_frames (`int`, defaults to `0`):
-                First latent frames that stay inside the window for ever (Self-Forcing's `sink_size`).
+                Defaults to the pipeline's stored `attention_window` (none unless a converted student has one).
+            sink_frames (`int`, *optional*):
+                First latent frames that stay inside the window for ever (Self-Forcing's `sink_size`); defaults to
+                the pipeline's stored `sink_frames` (0).
             kv_cache_engine (`str`, *optional*, defaults to `"static"`):
                 `"static"` (buffers allocated once, written in place), `"vanilla"` (a list of chunk tensors) or `None`
                 to keep the engines set on the transformer (`transformer.set_kv_cache_engines`).
@@ -552,4 +461,34 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, CausalRolloutMixi
             `(frames,)` when `return_dict` is `False`. An interrupted rollout returns the finished chunks; the
             latent frames of unfinished chunks are left at their initial noise.
         """
-        return self.run_call(locals())
+        return self.generate(
+            RolloutOptions(
+                prompt=prompt,
+                negative_prompt=negative_prompt,
+                height=height,
+                width=width,
+                num_frames=num_frames,
+                num_inference_steps=num_inference_steps,
+                timesteps=timesteps,
+                sigmas=sigmas,
+                first_chunk_timesteps=first_chunk_timesteps,
+                guidance_scale=guidance_scale,
+                chunk_size=chunk_size,
+                context_noise=context_noise,
+                generator=generator,
+                latents=latents,
+                prompt_embeds=prompt_embeds,
+                negative_prompt_embeds=negative_prompt_embeds,
+                output_type=output_type,
+                return_dict=return_dict,
+                attention_kwargs=attention_kwargs,
+                callback_on_step_end=callback_on_step_end,
+                callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+                max_sequence_length=max_sequence_length,
+                keep_cache=keep_cache,
+                recache=recache,
+                attention_window=attention_window,
+                sink_frames=sink_frames,
+                kv_cache_engine=kv_cache_engine,
+            )
+        )

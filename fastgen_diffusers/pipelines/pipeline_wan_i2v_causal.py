@@ -44,8 +44,11 @@ from transformers import AutoTokenizer, CLIPVisionModel, UMT5EncoderModel
 from transformers.image_processing_utils import BaseImageProcessor
 
 from ..models import WanCausalTransformer3DModel
+from .clips import clip_frames, clip_layout
+from .conditioning import Conditioner, FirstFrameConditioner, GivenFramesConditioner, ImageConcatConditioner
+from .options import ImageToVideoOptions
 from .pipeline_wan_causal import WanCausalPipeline
-from .rollout import RolloutRun
+from .rollout import RolloutShape
 from .streaming_decode import latent_statistics
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
@@ -120,7 +123,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
     (see [`detect_i2v_layout`] and [`~WanCausalImageToVideoPipeline.i2v_layout`]).
 
     This model inherits from [`WanCausalPipeline`] (prompt encoding, loading, decoding, the shared chunk rollout) and
-    conditions the chunks through the rollout's hooks.
+    conditions the chunks with the [`Conditioner`] of its layout (kept by a kept rollout, which can be continued).
 
     Args:
         tokenizer ([`T5Tokenizer`], *optional*):
@@ -144,8 +147,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
 
     model_cpu_offload_seq = "text_encoder->image_encoder->transformer->vae"
     _optional_components = ["tokenizer", "text_encoder", "image_processor", "image_encoder"]
-
-    _resumable_rollouts = False  # the image conditioning of a call is not kept
+    _options_class = ImageToVideoOptions
 
     def __init__(
         self,
@@ -159,11 +161,16 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         expand_timesteps: bool = False,
         timesteps: list[float] | None = None,
         context_noise: float = 0.0,
+        first_chunk_timesteps: list[float] | None = None,
+        attention_window: int | None = None,
+        sink_frames: int = 0,
     ):
-        super().__init__(tokenizer, text_encoder, vae, scheduler, transformer, timesteps, context_noise)
+        super().__init__(
+            tokenizer, text_encoder, vae, scheduler, transformer, timesteps, context_noise, first_chunk_timesteps,
+            attention_window, sink_frames,
+        )  # fmt: skip
         self.register_modules(image_processor=image_processor, image_encoder=image_encoder)
         self.register_to_config(expand_timesteps=expand_timesteps)
-        self._i2v_inputs: dict[str, Any] = {}
 
     @property
     def i2v_layout(self) -> str:
@@ -214,57 +221,46 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         return pixels
 
     # ------------------------------------------------------------------ rollout hooks
-    def prepare_chunk_inputs(
-        self,
-        chunk_index: int,
-        start: int,
-        end: int,
-        latents_chunk: torch.Tensor,
-        *,
-        cache_tag: str,
-        store_kv: bool,
-    ) -> dict[str, Any]:
-        """Given chunks: their clean latents (whatever ``context_noise`` is); Wan2.1 I2V: the chunk's 20 condition
-        channels and the CLIP tokens; TI2V: the clean first frame."""
-        inputs = self._i2v_inputs
-        context = self.context_chunk_latents(chunk_index, start, end)
-        if context is not None:
-            return {"hidden_states": context}
-        if inputs.get("layout") == WAN21_I2V:
-            kwargs = {"hidden_states": torch.cat([latents_chunk, inputs["condition"][:, :, start:end]], dim=1)}
-            if inputs["image_embeds"] is not None:
-                kwargs["encoder_hidden_states_image"] = inputs["image_embeds"]
-            return kwargs
-        if inputs.get("layout") == TI2V and start == 0:
-            hidden_states = latents_chunk.clone()
-            hidden_states[:, :, :1] = inputs["context_latents"]
-            return {"hidden_states": hidden_states}
-        return {}
+    def check_conditioning_inputs(self, options: ImageToVideoOptions, batch_size: int) -> RolloutShape:
+        """The image or clip checks ([`check_image_inputs`]); the output size defaults to the image's."""
+        height, width = self.check_image_inputs(
+            options.image, options.video, options.image_embeds, options.height, options.width, batch_size
+        )
+        return RolloutShape(height, width, options.num_frames)
 
-    def chunk_timestep(self, chunk_index: int, start: int, end: int, timestep: torch.Tensor) -> torch.Tensor:
-        """0 for given chunks; TI2V: per-frame timesteps ``(B, end - start)`` of chunk 0 with the image frame at 0;
-        else ``timestep``."""
-        if self.context_chunk_latents(chunk_index, start, end) is not None:
-            return torch.zeros_like(timestep)
-        if self._i2v_inputs.get("layout") != TI2V or start != 0:
-            return timestep
-        frame_timesteps = timestep[:, None].repeat(1, end - start)
-        frame_timesteps[:, 0] = 0.0
-        return frame_timesteps
+    def check_conditioning_fits(self, options: ImageToVideoOptions, bounds: Sequence[tuple[int, int]]) -> None:
+        self.check_context_frames(options.video, options.num_frames, options.chunk_size)
 
-    def after_chunk_step(self, chunk_index: int, start: int, end: int, latents_chunk: torch.Tensor) -> torch.Tensor:
-        """TI2V: put the clean image latent back into frame 0 after every denoising step of chunk 0."""
-        if self._i2v_inputs.get("layout") != TI2V or start != 0:
-            return latents_chunk
-        latents_chunk[:, :, :1] = self._i2v_inputs["context_latents"]
-        return latents_chunk
+    def prepare_conditioner(
+        self, options: ImageToVideoOptions, shape: RolloutShape, batch_size: int, device: torch.device
+    ) -> Conditioner:
+        """Encode the image or clip into the conditioner of this checkpoint's layout: a clip or a T2V student's
+        image are given frames, Wan2.2 TI2V's image its clean first frame, Wan2.1 I2V's image the concatenated
+        condition (which grows when the rollout is continued) and the CLIP tokens."""
+        height, width = shape.height, shape.width
+        if options.video is not None:
+            pixels = self.video_processor.preprocess_video(options.video, height=height, width=width).to(device)
+            return GivenFramesConditioner(self.encode_video_latents(pixels.expand(batch_size, -1, -1, -1, -1), device))
+        pixels = self._preprocess_image(options.image, height, width, batch_size).to(device)
+        layout = self.i2v_layout
+        if layout == WAN21_I2V:
+            image_embeds = None
+            if self.uses_image_tokens:
+                embeds = options.image_embeds
+                embeds = self.encode_image(pixels, device) if embeds is None else embeds.to(device)
+                embeds = embeds.expand(batch_size, -1, -1) if embeds.shape[0] == 1 else embeds
+                image_embeds = embeds.to(self.transformer.dtype).contiguous()
+            temporal = self.vae_scale_factor_temporal
 
-    def context_chunk_latents(self, chunk_index: int, start: int, end: int) -> torch.Tensor | None:
-        """The given (image or clip) latents of a chunk they cover entirely; such a chunk only fills the cache."""
-        context = self._i2v_inputs.get("context_latents")
-        if context is None or end > context.shape[2]:
-            return None
-        return context[:, :, start:end]
+            def encode(num_latent_frames: int) -> torch.Tensor:
+                return self.prepare_image_condition(pixels, temporal * (num_latent_frames - 1) + 1, device)
+
+            condition = self.prepare_image_condition(pixels, options.num_frames, device)
+            return ImageConcatConditioner(condition, image_embeds, encode)
+        image_latents = self.encode_video_latents(pixels[:, :, None], device)
+        if layout == TI2V:
+            return FirstFrameConditioner(image_latents)
+        return GivenFramesConditioner(image_latents)
 
     # ------------------------------------------------------------------ validation
     def check_image_inputs(
@@ -311,7 +307,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 raise ValueError(f"`image_embeds` has batch {image_embeds.shape[0]}; accepted: 1 or {batch_size}.")
 
         if video is not None:
-            name, images = "video", self._video_frames(video)
+            name, images = "video", clip_frames(video, "video")
         else:
             name, images = "image", image if isinstance(image, list) else [image]
         if not images:
@@ -360,26 +356,13 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
 
         return height, width
 
-    @staticmethod
-    def _video_frames(video: Any) -> list:
-        """The frames of a clip: a list of PIL images, a ``(F, 3, H, W)`` tensor or an ``(F, H, W, 3)`` array."""
-        if isinstance(video, list) and video and all(isinstance(f, PIL.Image.Image) for f in video):
-            return video
-        if isinstance(video, (torch.Tensor, np.ndarray)) and video.ndim == 4:
-            return list(video)
-        what = f"shape {tuple(video.shape)}" if hasattr(video, "shape") else type(video).__name__
-        raise ValueError(
-            "`video` must be a list of PIL images, a (F, 3, H, W) tensor in [0, 1] or an (F, H, W, 3) array, "
-            f"got {what}."
-        )
-
     def check_context_frames(self, video: Any, num_frames: int, chunk_size: int | None) -> None:
         """T2V students: the image (1 frame) or the clip must fill whole chunks of the rollout and leave some to
         generate; raise ``ValueError`` otherwise. Other layouts take no given chunks."""
         if self.i2v_layout != T2V_STUDENT:
             return
         name = "image" if video is None else "video"
-        num_pixel_frames = 1 if video is None else len(self._video_frames(video))
+        num_pixel_frames = 1 if video is None else clip_layout(video, "video")[0]
         temporal = self.vae_scale_factor_temporal
         if num_pixel_frames % temporal != 1:
             raise ValueError(
@@ -413,148 +396,6 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def prepare_rollout(
-        self,
-        *,
-        image: ImageInput | None,
-        prompt: str | list[str] | dict[int, str | list[str]] | None,
-        negative_prompt: str | list[str] | None,
-        video: list[PIL.Image.Image] | torch.Tensor | np.ndarray | None,
-        height: int | None,
-        width: int | None,
-        num_frames: int,
-        num_inference_steps: int | None,
-        timesteps: Sequence[float] | None,
-        sigmas: Sequence[float] | None,
-        guidance_scale: float,
-        chunk_size: int | None,
-        context_noise: float | None,
-        generator: torch.Generator | list[torch.Generator] | None,
-        latents: torch.Tensor | None,
-        prompt_embeds: torch.Tensor | None,
-        negative_prompt_embeds: torch.Tensor | None,
-        image_embeds: torch.Tensor | None,
-        output_type: str,
-        attention_kwargs: dict[str, Any] | None,
-        callback_on_step_end: Callable[..., dict[str, torch.Tensor]]
-        | PipelineCallback
-        | MultiPipelineCallbacks
-        | None,
-        callback_on_step_end_tensor_inputs: list[str],
-        max_sequence_length: int,
-        keep_cache: bool,
-        recache: bool,
-        attention_window: int | None,
-        sink_frames: int,
-        kv_cache_engine: str | None,
-    ) -> RolloutRun:
-        r"""Steps 1-4 of [`__call__`] (its arguments but `return_dict`, all by keyword): check the inputs, encode
-        the prompts and the image or clip, prepare the schedule and the noise, configure the KV cache.
-
-        Returns:
-            The [`RolloutRun`] that `__call__` and [`~LiveRolloutMixin.stream`] roll out; until it is closed, the
-            rollout hooks read the encoded image or clip from the pipeline.
-        """
-        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
-            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
-        num_inference_steps, timesteps, context_noise = self.resolve_sampling_defaults(
-            num_inference_steps, timesteps, sigmas, context_noise
-        )
-
-        # 1. Check inputs. Raise error if not correct
-        prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(prompt, prompt_embeds)
-        if isinstance(prompt, str):
-            batch_size = 1
-        elif isinstance(prompt, list):
-            batch_size = len(prompt)
-        else:
-            batch_size = prompt_embeds.shape[0] if isinstance(prompt_embeds, torch.Tensor) else 1
-        height, width = self.check_image_inputs(image, video, image_embeds, height, width, batch_size)
-        self.check_kv_cache_inputs(kv_cache_engine, attention_window, sink_frames)
-        self.check_inputs(
-            prompt,
-            negative_prompt,
-            height,
-            width,
-            num_frames,
-            num_inference_steps,
-            timesteps,
-            sigmas,
-            guidance_scale,
-            chunk_size,
-            context_noise,
-            generator,
-            latents,
-            prompt_embeds,
-            negative_prompt_embeds,
-            output_type,
-            callback_on_step_end_tensor_inputs,
-            max_sequence_length,
-        )
-        self.check_context_frames(video, num_frames, chunk_size)
-        layout = self.i2v_layout
-        device = self._execution_device
-
-        # 2. Encode input prompt
-        prompt_embeds, negative_prompt_embeds, prompt_switches = self.encode_rollout_prompts(
-            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, prompt_schedule, guidance_scale,
-            max_sequence_length, device,
-        )  # fmt: skip
-
-        # 3. Encode the image or clip (once; every chunk forward reuses the same tensors, so the cross K/V cache
-        # recognizes its conditioning)
-        inputs = {"layout": layout, "image_embeds": None}
-        if video is not None:
-            pixels = self.video_processor.preprocess_video(video, height=height, width=width).to(device)
-            inputs["context_latents"] = self.encode_video_latents(pixels.expand(batch_size, -1, -1, -1, -1), device)
-        else:
-            pixels = self._preprocess_image(image, height, width, batch_size).to(device)
-            if layout == WAN21_I2V:
-                inputs["condition"] = self.prepare_image_condition(pixels, num_frames, device)
-                if self.uses_image_tokens:
-                    embeds = self.encode_image(pixels, device) if image_embeds is None else image_embeds.to(device)
-                    embeds = embeds.expand(batch_size, -1, -1) if embeds.shape[0] == 1 else embeds
-                    inputs["image_embeds"] = embeds.to(self.transformer.dtype).contiguous()
-            else:
-                inputs["context_latents"] = self.encode_video_latents(pixels[:, :, None], device)
-
-        # 4. Prepare timesteps and latent variables
-        schedule = self.rollout_schedule(num_inference_steps, timesteps, sigmas)
-        latents = self.prepare_latents(
-            batch_size,
-            self.transformer.config.out_channels,
-            height,
-            width,
-            num_frames,
-            torch.float32,
-            device,
-            generator,
-            latents,
-        )
-        chunk_bounds, switches_by_chunk = self.plan_chunks(latents.shape[2], locals(), prompt_switches)
-
-        video_latents = latents.clone()
-        if "context_latents" in inputs:
-            context = inputs["context_latents"]
-            video_latents[:, :, : context.shape[2]] = context
-        self._i2v_inputs = inputs  # read by the rollout hooks above until the run is closed
-        return self.rollout_run(
-            locals(),
-            video_latents,
-            release=self._release_i2v_inputs,
-            latents=latents,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-            chunk_bounds=chunk_bounds,
-            schedule=schedule,
-            prompt_switches=switches_by_chunk,
-        )
-
-    def _release_i2v_inputs(self) -> None:
-        """Drop the image inputs of the last call (its run is closed)."""
-        self._i2v_inputs = {}
-
-    @torch.no_grad()
     @replace_example_docstring(EXAMPLE_DOC_STRING)
     def __call__(
         self,
@@ -568,6 +409,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         num_inference_steps: int | None = None,
         timesteps: Sequence[float] | None = None,
         sigmas: Sequence[float] | None = None,
+        first_chunk_timesteps: Sequence[float] | None = None,
         guidance_scale: float = 1.0,
         chunk_size: int | None = None,
         context_noise: float | None = None,
@@ -588,7 +430,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         keep_cache: bool = False,
         recache: bool = False,
         attention_window: int | None = None,
-        sink_frames: int = 0,
+        sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
     ) -> WanPipelineOutput | tuple:
         r"""
@@ -620,6 +462,8 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 Model-scale timesteps in [0, 1000], strictly decreasing, used as given.
             sigmas (`list[float]`, *optional*):
                 Sigmas in [0, 1], strictly decreasing, shifted by the scheduler.
+            first_chunk_timesteps (`list[float]`, *optional*):
+                Timesteps of the first chunk only (Causal Forcing++), as in [`WanCausalPipeline`].
             guidance_scale (`float`, defaults to `1.0`):
                 Classifier-free guidance weight; above 1 the unconditional branch (same image conditioning, negative
                 prompt) runs with its own KV cache.
@@ -654,14 +498,15 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             max_sequence_length (`int`, defaults to `512`):
                 Text tokens of the prompt encoding.
             keep_cache (`bool`, defaults to `False`):
-                Keep the KV caches after the call; by default they are freed.
+                Keep the rollout (KV caches, chunks, image conditioning) after the call, to go on with
+                `continue_rollout`, `redo_last_chunk` or `fork_rollout`; by default it is freed.
             recache (`bool`, defaults to `False`):
                 With a prompt schedule (`prompt={0: "...", 45: "..."}`, as in [`WanCausalPipeline`]), recompute the
                 self K/V of the earlier chunks under each new prompt (LongLive's recache).
             attention_window (`int`, *optional*):
                 Sliding attention window in latent frames (own frames and sink included); see [`WanCausalPipeline`].
-            sink_frames (`int`, defaults to `0`):
-                First latent frames that stay inside the window for ever.
+            sink_frames (`int`, *optional*):
+                First latent frames that stay inside the window for ever (default: the stored `sink_frames`).
             kv_cache_engine (`str`, *optional*, defaults to `"static"`):
                 `"static"`, `"vanilla"` or `None` (keep the transformer's engines).
 
@@ -671,4 +516,37 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`: the frames (`frames`), the given image
             or clip first (as the VAE reconstructs it), or `(frames,)` when `return_dict` is `False`.
         """
-        return self.run_call(locals())
+        return self.generate(
+            ImageToVideoOptions(
+                image=image,
+                prompt=prompt,
+                negative_prompt=negative_prompt,
+                video=video,
+                height=height,
+                width=width,
+                num_frames=num_frames,
+                num_inference_steps=num_inference_steps,
+                timesteps=timesteps,
+                sigmas=sigmas,
+                first_chunk_timesteps=first_chunk_timesteps,
+                guidance_scale=guidance_scale,
+                chunk_size=chunk_size,
+                context_noise=context_noise,
+                generator=generator,
+                latents=latents,
+                prompt_embeds=prompt_embeds,
+                negative_prompt_embeds=negative_prompt_embeds,
+                image_embeds=image_embeds,
+                output_type=output_type,
+                return_dict=return_dict,
+                attention_kwargs=attention_kwargs,
+                callback_on_step_end=callback_on_step_end,
+                callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+                max_sequence_length=max_sequence_length,
+                keep_cache=keep_cache,
+                recache=recache,
+                attention_window=attention_window,
+                sink_frames=sink_frames,
+                kv_cache_engine=kv_cache_engine,
+            )
+        )

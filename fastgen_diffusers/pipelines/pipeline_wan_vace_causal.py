@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import PIL.Image
 import torch
 from diffusers import AutoencoderKLWan, DiffusionPipeline, FlowMatchEulerDiscreteScheduler, WanVACETransformer3DModel
@@ -16,8 +14,11 @@ from diffusers.pipelines.wan.pipeline_wan_vace import WanVACEPipeline
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from ..models import VACEHintCache, WanCausalVACETransformer3DModel
+from .clips import clip_layout, first_frames
+from .conditioning import VACEConditioner
+from .options import VACEOptions
 from .pipeline_wan_causal import WanCausalPipeline, _model_config, _share_weights
-from .rollout import RolloutRun
+from .rollout import RolloutShape
 
 REFERENCE_MODES = ("RGB", "L")
 
@@ -30,45 +31,14 @@ def causal_transformer_from_wan_vace(
     return _share_weights(transformer, WanCausalVACETransformer3DModel, config)
 
 
-def _video_layout(video: Any, name: str) -> tuple[int, int, int, int]:
-    """``(frames, channels, height, width)`` of PIL frames, an ``(F, C, H, W)`` tensor or an ``(F, H, W, C)`` array
-    (a leading batch of 1 allowed); ``ValueError`` for anything else."""
-    if isinstance(video, list) and video and all(isinstance(frame, PIL.Image.Image) for frame in video):
-        sizes = {frame.size for frame in video}
-        if len(sizes) != 1:
-            raise ValueError(f"`{name}` frames must all have one size, got sizes {sorted(sizes)}.")
-        width, height = sizes.pop()
-        return len(video), len(video[0].getbands()), height, width
-    if isinstance(video, (torch.Tensor, np.ndarray)):
-        shape = tuple(video.shape)
-        if len(shape) == 5 and shape[0] == 1:
-            shape = shape[1:]
-        if len(shape) == 4:
-            if isinstance(video, torch.Tensor):
-                return shape
-            return shape[0], shape[3], shape[1], shape[2]
-    shape = tuple(video.shape) if hasattr(video, "shape") else type(video).__name__
-    raise ValueError(
-        f"`{name}` must be a list of PIL images, a (frames, channels, height, width) tensor or a (frames, height, "
-        f"width, channels) array, got {shape}."
-    )
-
-
-def _first_frames(video: Any, num_frames: int) -> Any:
-    """The first ``num_frames`` frames; tensors and arrays as a batch of one ``(1, F, ...)`` (``preprocess_video``)."""
-    if video is None or isinstance(video, list):
-        return None if video is None else video[:num_frames]
-    video = video if video.ndim == 5 else video[None]
-    return video[:, :num_frames]
-
-
 class WanCausalVACEPipeline(WanCausalPipeline):
     r"""
     Controllable video generation (VACE: a control video, its mask and reference images) with a causal Wan VACE
     student, chunk by chunk of latent frames on the KV caches of the ``"main"`` and ``"vace"`` branches.
 
     Same conventions as [`WanCausalPipeline`] (loading, prompts, schedule, CFG, outputs, errors; the rollout is the
-    shared [`CausalRolloutMixin.rollout`]). The control inputs are prepared as [`WanVACEPipeline`] does (its own
+    shared rollout of [`CausalRolloutMixin`]; a kept rollout can be continued past the control video, which then
+    grows with black frames under a white mask). The control inputs are prepared as [`WanVACEPipeline`] does (its own
     methods): the masked inactive/reactive VAE latents (32 channels), the mask folded to 64 channels, and reference
     images prepended along time as extra leading latent frames, which are generated with the video and dropped
     before decoding. Each forward of chunk ``[s, e)`` receives the control latents ``[:, :, s:e]``.
@@ -82,7 +52,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
     """
 
     _transformer_class = WanCausalVACETransformer3DModel
-    _resumable_rollouts = False  # the control inputs of a call are not kept
+    _options_class = VACEOptions
 
     def __init__(
         self,
@@ -93,32 +63,16 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         transformer: WanCausalVACETransformer3DModel,
         timesteps: list[float] | None = None,
         context_noise: float = 0.0,
+        first_chunk_timesteps: list[float] | None = None,
+        attention_window: int | None = None,
+        sink_frames: int = 0,
     ):
-        super().__init__(tokenizer, text_encoder, vae, scheduler, transformer, timesteps, context_noise)
-        self._vace_control = None
-        self._vace_scale = None
-        self._vace_hint_cache = None
+        super().__init__(
+            tokenizer, text_encoder, vae, scheduler, transformer, timesteps, context_noise, first_chunk_timesteps,
+            attention_window, sink_frames,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs) -> WanCausalVACEPipeline:
-        r"""Load from a diffusers Wan VACE directory or Hub repo (the layout `WanVACEPipeline` saves); the
-        `transformer` subfolder loads as a [`WanCausalVACETransformer3DModel`] with bit-identical weights. Otherwise
-        as [`WanCausalPipeline.from_pretrained`]."""
-        if "transformer" not in kwargs:
-            torch_dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))  # diffusers 0.42 renamed `torch_dtype`
-            if isinstance(torch_dtype, dict):
-                torch_dtype = torch_dtype.get("transformer", torch_dtype.get("default"))
-            model_kwargs = {
-                key: kwargs[key]
-                for key in ("variant", "use_safetensors", "cache_dir", "local_files_only", "token", "revision")
-                if key in kwargs
-            }
-            kwargs["transformer"] = WanCausalVACETransformer3DModel.from_pretrained(
-                pretrained_model_name_or_path, subfolder="transformer", dtype=torch_dtype, **model_kwargs
-            )
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-
     @classmethod
     def from_pipe(cls, pipeline: DiffusionPipeline, **kwargs) -> WanCausalVACEPipeline:
         r"""Build from another pipeline's components, e.g. a `WanVACEPipeline` (no extra memory): a plain
@@ -149,7 +103,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         for name, frames in (("video", video), ("mask", mask)):
             if frames is None:
                 continue
-            count, channels, frame_height, frame_width = _video_layout(frames, name)
+            count, channels, frame_height, frame_width = clip_layout(frames, name)
             if (frame_height, frame_width) != (height, width):
                 raise ValueError(
                     f"`{name}` frames must be {height}x{width} (height x width, the output size), got "
@@ -216,162 +170,53 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         num_frames: int,
         device: torch.device,
     ) -> torch.Tensor:
-        """``(1, 96, num_refs + latent frames, H/8, W/8)`` control latents, built as [`WanVACEPipeline`] does."""
-        video, mask = (_first_frames(frames, num_frames) for frames in (video, mask))
+        """``(1, 96, num_refs + latent frames, H/8, W/8)`` control latents, built as [`WanVACEPipeline`] does. A
+        ``video`` / ``mask`` shorter than ``num_frames`` (a continued rollout) is padded with black frames under a
+        white mask (generate freely)."""
+        video, mask = first_frames(video, num_frames), first_frames(mask, num_frames, fill=1.0)
         video, mask, references = self.preprocess_conditions(
             video, mask, reference_images, 1, height, width, num_frames, torch.float32, device
         )
         latents = self.prepare_video_latents(video, mask, references, None, device)
         return torch.cat([latents, self.prepare_masks(mask, references, None)], dim=1)
 
-    def prepare_chunk_inputs(self, chunk_index, start, end, latents_chunk, *, cache_tag, store_kv):
-        """The control latents of frames ``[start, end)``, the per-layer scale and, if enabled, the hint cache."""
-        cache = self._vace_hint_cache
-        if cache is not None:
-            cache.set_step(self.scheduler.step_index or 0)  # ``None`` before the first step of a chunk
-        return {
-            "control_hidden_states": self._vace_control[:, :, start:end],
-            "control_hidden_states_scale": self._vace_scale,
-            "vace_hint_cache": cache,
-        }
-
-    # ------------------------------------------------------------------ generation
-    @torch.no_grad()
-    def prepare_rollout(
-        self,
-        *,
-        prompt: str | list[str] | dict[int, str | list[str]] | None,
-        negative_prompt: str | list[str] | None,
-        video: Any,
-        mask: Any,
-        reference_images: PIL.Image.Image | list[PIL.Image.Image] | list[list[PIL.Image.Image]] | None,
-        conditioning_scale: float | Sequence[float] | torch.Tensor,
-        height: int,
-        width: int,
-        num_frames: int,
-        num_inference_steps: int | None,
-        timesteps: Sequence[float] | None,
-        sigmas: Sequence[float] | None,
-        guidance_scale: float,
-        chunk_size: int | None,
-        context_noise: float | None,
-        generator: torch.Generator | list[torch.Generator] | None,
-        latents: torch.Tensor | None,
-        prompt_embeds: torch.Tensor | None,
-        negative_prompt_embeds: torch.Tensor | None,
-        output_type: str,
-        attention_kwargs: dict[str, Any] | None,
-        callback_on_step_end: Callable[..., dict[str, torch.Tensor]]
-        | PipelineCallback
-        | MultiPipelineCallbacks
-        | None,
-        callback_on_step_end_tensor_inputs: list[str],
-        max_sequence_length: int,
-        keep_cache: bool,
-        recache: bool,
-        vace_hint_refresh_interval: int,
-        allow_lossy: bool,
-        attention_window: int | None,
-        sink_frames: int,
-        kv_cache_engine: str | None,
-    ) -> RolloutRun:
-        r"""Steps 1-4 of [`__call__`] (its arguments but `return_dict`, all by keyword): check the inputs, encode
-        the prompts and the control inputs, prepare the noise, configure the KV cache.
-
-        Returns:
-            The [`RolloutRun`] that `__call__` and [`~LiveRolloutMixin.stream`] roll out, its reference images as
-            leading latent frames (`num_reference_frames`); until it is closed, `prepare_chunk_inputs` reads the
-            control inputs from the pipeline.
-        """
-        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
-            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
-        num_inference_steps, timesteps, context_noise = self.resolve_sampling_defaults(
-            num_inference_steps, timesteps, sigmas, context_noise
-        )
-
-        # 1. Check inputs (before any model work); references add leading latent frames
-        prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(prompt, prompt_embeds)
+    # ------------------------------------------------------------------ rollout hooks
+    def check_conditioning_inputs(self, options: VACEOptions, batch_size: int) -> RolloutShape:
+        """The control checks ([`check_vace_inputs`]); reference images add leading latent frames."""
         num_refs = self.check_vace_inputs(
-            video,
-            mask,
-            reference_images,
-            conditioning_scale,
-            height,
-            width,
-            num_frames,
-            vace_hint_refresh_interval,
-            allow_lossy,
+            options.video,
+            options.mask,
+            options.reference_images,
+            options.conditioning_scale,
+            options.height,
+            options.width,
+            options.num_frames,
+            options.vace_hint_refresh_interval,
+            options.allow_lossy,
         )
-        total_frames = num_frames + num_refs * self.vae_scale_factor_temporal
-        self.check_kv_cache_inputs(kv_cache_engine, attention_window, sink_frames)
-        self.check_inputs(
-            prompt,
-            negative_prompt,
-            height,
-            width,
-            total_frames,
-            num_inference_steps,
-            timesteps,
-            sigmas,
-            guidance_scale,
-            chunk_size,
-            context_noise,
-            generator,
-            latents,
-            prompt_embeds,
-            negative_prompt_embeds,
-            output_type,
-            callback_on_step_end_tensor_inputs,
-            max_sequence_length,
-        )
+        total_frames = options.num_frames + num_refs * self.vae_scale_factor_temporal
+        return RolloutShape(options.height, options.width, total_frames, num_refs)
 
-        # 2. Prompts
-        device = self._execution_device
-        prompt_embeds, negative_prompt_embeds, prompt_switches = self.encode_rollout_prompts(
-            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, prompt_schedule, guidance_scale,
-            max_sequence_length, device,
-        )  # fmt: skip
-        batch_size = prompt_embeds.shape[0]
+    def prepare_conditioner(
+        self, options: VACEOptions, shape: RolloutShape, batch_size: int, device: torch.device
+    ) -> VACEConditioner:
+        """The control latents (one control video, shared by the batch), the per-layer scale and the hint cache;
+        the control grows (black frames, white mask) when the rollout is continued past the control video."""
+        temporal = self.vae_scale_factor_temporal
+        dtype = self.transformer.dtype
 
-        # 3. Control latents (one control video, shared by the batch) and noise
-        control = self.prepare_control_latents(video, mask, reference_images, height, width, num_frames, device)
-        latents = self.prepare_latents(
-            batch_size,
-            self.transformer.config.out_channels,
-            height,
-            width,
-            total_frames,
-            torch.float32,
-            device,
-            generator,
-            latents,
-        )
+        def encode(num_latent_frames: int) -> torch.Tensor:
+            num_frames = temporal * (num_latent_frames - shape.num_reference_frames - 1) + 1
+            control = self.prepare_control_latents(
+                options.video, options.mask, options.reference_images, shape.height, shape.width, num_frames, device
+            )
+            return control.to(dtype).expand(batch_size, -1, -1, -1, -1)
 
-        # 4. Chunks, prompt switches and KV cache
-        # Prompt schedules count the video's pixel frames: the reference latent frames come before its frame 0.
-        chunk_bounds, switches_by_chunk = self.plan_chunks(latents.shape[2], locals(), prompt_switches, num_refs)
-        # Read by `prepare_chunk_inputs` until the run is closed.
-        self._vace_control = control.to(self.transformer.dtype).expand(batch_size, -1, -1, -1, -1)
-        self._vace_scale = conditioning_scale
-        if vace_hint_refresh_interval > 1:
-            self._vace_hint_cache = VACEHintCache(vace_hint_refresh_interval, allow_lossy=allow_lossy)
-        # The reference frames lead the rollout but are not video frames: neither `finish` nor `stream` decodes them.
-        return self.rollout_run(
-            locals(),
-            latents.clone(),
-            release=self._release_vace_control,
-            num_reference_frames=num_refs,
-            latents=latents,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-            chunk_bounds=chunk_bounds,
-            schedule=self.rollout_schedule(num_inference_steps, timesteps, sigmas),
-            prompt_switches=switches_by_chunk,
-        )
-
-    def _release_vace_control(self) -> None:
-        """Drop the control inputs of the last call (its run is closed)."""
-        self._vace_control = self._vace_scale = self._vace_hint_cache = None
+        hint_cache = None
+        if options.vace_hint_refresh_interval > 1:
+            hint_cache = VACEHintCache(options.vace_hint_refresh_interval, allow_lossy=options.allow_lossy)
+        control = encode((shape.num_frames - 1) // temporal + 1)
+        return VACEConditioner(control, options.conditioning_scale, hint_cache, encode)
 
     @torch.no_grad()
     def __call__(
@@ -388,6 +233,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         num_inference_steps: int | None = None,
         timesteps: Sequence[float] | None = None,
         sigmas: Sequence[float] | None = None,
+        first_chunk_timesteps: Sequence[float] | None = None,
         guidance_scale: float = 1.0,
         chunk_size: int | None = None,
         context_noise: float | None = None,
@@ -409,7 +255,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         vace_hint_refresh_interval: int = 1,
         allow_lossy: bool = False,
         attention_window: int | None = None,
-        sink_frames: int = 0,
+        sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
     ) -> WanPipelineOutput | tuple:
         r"""
@@ -438,4 +284,40 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         Returns:
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`, as [`WanCausalPipeline`].
         """
-        return self.run_call(locals())
+        return self.generate(
+            VACEOptions(
+                prompt=prompt,
+                negative_prompt=negative_prompt,
+                video=video,
+                mask=mask,
+                reference_images=reference_images,
+                conditioning_scale=conditioning_scale,
+                height=height,
+                width=width,
+                num_frames=num_frames,
+                num_inference_steps=num_inference_steps,
+                timesteps=timesteps,
+                sigmas=sigmas,
+                first_chunk_timesteps=first_chunk_timesteps,
+                guidance_scale=guidance_scale,
+                chunk_size=chunk_size,
+                context_noise=context_noise,
+                generator=generator,
+                latents=latents,
+                prompt_embeds=prompt_embeds,
+                negative_prompt_embeds=negative_prompt_embeds,
+                output_type=output_type,
+                return_dict=return_dict,
+                attention_kwargs=attention_kwargs,
+                callback_on_step_end=callback_on_step_end,
+                callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+                max_sequence_length=max_sequence_length,
+                keep_cache=keep_cache,
+                recache=recache,
+                vace_hint_refresh_interval=vace_hint_refresh_interval,
+                allow_lossy=allow_lossy,
+                attention_window=attention_window,
+                sink_frames=sink_frames,
+                kv_cache_engine=kv_cache_engine,
+            )
+        )

@@ -1,165 +1,485 @@
-"""The chunk-by-chunk causal rollout shared by every causal Wan pipeline (T2V, I2V, VACE, streaming).
+"""The causal rollout core shared by every causal Wan pipeline (T2V, I2V, VACE, streaming).
 
-The pipelines differ only in how they condition a chunk; the loop itself lives here, once:
+Layers (each a module of this package, imported one way: pipelines -> session/policy -> conditioning -> chunking):
 
-```
-clear every cache
-for each chunk [start, end) of the partition the transformer's mask uses:
-    x = noise[:, :, start:end]                       # or the clean latents of a context chunk (no denoising)
-    for t in timesteps:                              # e.g. 1000, 937.5, 833.3, 625
-        v = transformer(x, t, text, start_frame=start, cache_tag="pos")            # store_kv=False
-        v = v_neg + g * (v - v_neg)                  # only when g > 1, v_neg under cache_tag="neg"
-        x = scheduler.step(v, t, x)                  # predict x0, re-noise to the next sigma (x0 at the last step)
-    transformer(x0 re-noised to context_noise, context_noise, text, start_frame=start, store_kv=True)  # each tag
-    yield ChunkOutput(chunk_index, start, end, x0)
-free the caches (unless keep_cache)
-```
-
-Live generation ([`LiveRolloutMixin`]: ``stream``, prompt switches, continue / redo / fork of a kept rollout) rides on
-the same loop: ``prompt_switches`` change the conditional prompt at chunk boundaries, ``resume`` continues a kept
-branch instead of clearing the caches.
-
-A pipeline mixes in [`CausalRolloutMixin`] and overrides the hooks it needs:
-
-* [`CausalRolloutMixin.prepare_chunk_inputs`]: extra (or replaced) transformer keyword arguments for one forward of
-  one chunk; the I2V pipeline returns ``hidden_states`` with its 20 condition channels concatenated and
-  ``encoder_hidden_states_image``, the VACE pipeline its control inputs.
-* [`CausalRolloutMixin.context_chunk_latents`]: clean latents for a chunk that is given rather than generated (the
-  first frame of image-conditioned students, the frames of a clip being extended); such a chunk only fills the cache.
-* [`CausalRolloutMixin.chunk_timestep`] and [`CausalRolloutMixin.after_chunk_step`]: per-frame timesteps of a
-  chunk and a fix-up of its latents after each scheduler step (Wan2.2 TI2V's clean first frame).
+* [`RolloutOptions`] (``options.py``): the typed arguments of a call.
+* [`CausalRolloutMixin.prepare_rollout`] (here): one template for the three pipelines: check inputs, encode the
+  prompts, build the conditioner (the pipeline's ``prepare_conditioner``), sample the noise, plan the chunks,
+  configure the KV cache, open a [`RolloutSession`]. The pipelines differ only in the hooks
+  ``check_conditioning_inputs``, ``check_conditioning_fits`` and ``prepare_conditioner``.
+* [`RolloutSession`] (``session.py``): a rollout's state (cache tags, prompts, guidance, context noise, conditioner,
+  bounded history); kept rollouts are sessions.
+* [`RolloutPolicy`] (``policy.py``): runs a [`ChunkPlan`] on a session and yields [`ChunkRecord`]s;
+  [`SequentialPolicy`] is the chunk-by-chunk loop. ``__call__``, ``stream``, continue, redo and fork all run it
+  through [`CausalRolloutMixin.run_policy`], which owns the cache lifecycle (clear, keep, discard).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
-from diffusers.utils.torch_utils import get_module_execution_device, randn_tensor
+from diffusers.utils.torch_utils import get_module_execution_device
 
-from ..chunking import chunk_bounds, chunk_layout
-from ..kv_cache import ENGINE_KINDS, make_engines
+from ..chunking import ChunkPlan, chunk_bounds, chunk_layout
+from ..kv_cache import ENGINE_KINDS, AttentionWindow, make_engines
 from ..parallel import is_main_process
-from .live import MAIN_BRANCH, KeptRollout, LiveRolloutMixin, RolloutChunk, branch_cache_tags
+from .conditioning import Conditioner
+from .options import RolloutOptions
+from .policy import RolloutPolicy, SequentialPolicy
+from .records import ChunkOutput, ChunkRecord
+from .session import MAIN_BRANCH, RolloutSession, discard_branch
+from .sources import NoiseSource
 from .streaming_decode import StreamingWanDecoder, denormalize_latents
 
-# Arguments of a pipeline's `__call__` that `rollout` takes as they are (after `prepare_rollout` resolved defaults).
-ROLLOUT_CALL_ARGUMENTS = (
-    "guidance_scale",
-    "context_noise",
-    "generator",
-    "attention_kwargs",
-    "callback_on_step_end",
-    "callback_on_step_end_tensor_inputs",
-    "keep_cache",
-    "recache",
-)
+OUTPUT_TYPES = ("np", "pil", "pt", "latent")
+
+__all__ = [
+    "OUTPUT_TYPES",
+    "CausalRolloutMixin",
+    "ChunkOutput",
+    "RolloutRun",
+    "RolloutShape",
+    "check_window_fits_chunks",
+]
 
 
-@dataclass
-class ChunkOutput:
-    """One finished chunk of a causal rollout.
+def check_window_fits_chunks(
+    attention_window: int | None, sink_frames: int, chunk_bounds: Sequence[tuple[int, int]]
+) -> None:
+    """Raise ``ValueError`` when a chunk cannot fit in the attention window (checked before any work).
 
-    Args:
-        chunk_index: position of the chunk in the partition (0 for the first chunk).
-        start: absolute index of the chunk's first latent frame.
-        end: one past its last latent frame.
-        latents: ``(B, C, end - start, H, W)`` clean latents of the chunk (float32, the x0 of the last step).
-        is_last: whether it is the last chunk of the rollout.
+    The rule is [`AttentionWindow.check_chunks`], the one the engines apply: a chunk's frames outside the sink must
+    fit the window beside the sink (a chunk inside the sink, e.g. ``[0, 3)`` with sink 3 and window 4, fits).
     """
+    AttentionWindow(attention_window, sink_frames).check_chunks(chunk_bounds)
 
-    chunk_index: int
-    start: int
-    end: int
-    latents: torch.Tensor
-    is_last: bool = False
+
+@dataclass(frozen=True)
+class RolloutShape:
+    """What a call generates: ``num_frames`` pixel frames of ``height`` x ``width`` (VACE's reference images
+    included, as ``4 * num_reference_frames`` leading pixel frames), ``num_reference_frames`` leading latent frames
+    that are not video frames."""
+
+    height: int
+    width: int
+    num_frames: int
+    num_reference_frames: int = 0
 
 
 @dataclass
 class RolloutRun:
-    """A generation prepared by a pipeline's ``prepare_rollout`` (the steps of its ``__call__`` before the denoising
-    loop): ``__call__`` and [`LiveRolloutMixin.stream`] both roll it out with ``pipe.rollout(**run.rollout_kwargs)``.
-
-    Use it as a context manager around the rollout: on exit, normal or not, it frees the per-call conditioning the
-    pipeline's rollout hooks read (the image inputs of I2V, the control latents of VACE).
+    """A generation prepared by [`CausalRolloutMixin.prepare_rollout`]: ``__call__`` and ``stream`` run its chunks.
 
     Args:
         pipe: the pipeline that prepared the run.
-        rollout_kwargs: keyword arguments of [`CausalRolloutMixin.rollout`], the initial noise ``latents`` included.
-        latents: ``(B, C, F, H, W)`` float32 latents of the whole rollout: the initial noise with the given chunks
-            filled in; ``__call__`` writes each finished chunk into it before [`finish`] decodes it.
+        session: the rollout's [`RolloutSession`] (kept by the pipeline after a ``keep_cache=True`` run).
+        plan: the chunks and their schedules.
+        source: the starting noise of every chunk.
+        options: the call's resolved options.
+        prompt_switches: ``{chunk_index: (B, L, text_dim)}`` prompt switches.
         num_reference_frames: leading latent frames that are not video frames (VACE's reference images): they are
             generated with the video but never decoded.
-        release: frees the pipeline's per-call state; ``None`` when it keeps none.
+        policy: the [`RolloutPolicy`] that runs the plan.
     """
 
     pipe: CausalRolloutMixin
-    rollout_kwargs: dict[str, Any]
-    latents: torch.Tensor
+    session: RolloutSession
+    plan: ChunkPlan
+    source: NoiseSource
+    options: RolloutOptions
+    prompt_switches: dict[int, torch.Tensor]
     num_reference_frames: int = 0
-    release: Callable[[], None] | None = None
+    policy: RolloutPolicy | None = None
 
-    def __enter__(self) -> RolloutRun:
-        return self
+    def chunks(self) -> Iterator[ChunkRecord]:
+        """The rollout's finished chunks, one by one (see [`CausalRolloutMixin.run_policy`])."""
+        options = self.options
+        return self.pipe.run_policy(
+            self.session,
+            self.plan,
+            self.source,
+            policy=self.policy,
+            generator=options.generator,
+            callback_on_step_end=options.callback_on_step_end,
+            callback_on_step_end_tensor_inputs=options.callback_on_step_end_tensor_inputs,
+            keep_cache=options.keep_cache,
+            prompt_switches=self.prompt_switches,
+            recache=options.recache,
+        )
 
-    def __exit__(self, *exc_info) -> None:
-        if self.release is not None:
-            self.release()
 
-    def finish(self, output_type: str, return_dict: bool) -> WanPipelineOutput | tuple:
-        """Decode ``latents`` without the reference frames, offload the models and return the frames as
-        ``__call__`` does: a ``WanPipelineOutput``, or ``(frames,)`` when ``return_dict`` is ``False``."""
-        pipe = self.pipe
-        video = pipe.decode_latents(self.latents[:, :, self.num_reference_frames :], output_type)
-        pipe.maybe_free_model_hooks()
-        if not return_dict:
-            return (video,)
-        return WanPipelineOutput(frames=video)
-
-
-class CausalRolloutMixin(LiveRolloutMixin):
-    r"""Chunk loop of the causal Wan pipelines, written as a generator that yields each finished chunk.
+class CausalRolloutMixin:
+    r"""The causal rollout of the Wan pipelines: the prepare template, the kept sessions and the policy runner.
 
     The host pipeline provides ``transformer`` (a causal Wan transformer), ``scheduler``
     (`FlowMatchEulerDiscreteScheduler`, ``stochastic_sampling=True`` for the students' few-step update), ``vae``,
-    ``video_processor`` and [`~DiffusionPipeline.progress_bar`], and implements [`prepare_rollout`]. ``__call__``
-    consumes [`rollout`] to the end; [`LiveRolloutMixin.stream`] hands its chunks out one by one as the rollout
-    yields them.
+    ``video_processor``, [`~DiffusionPipeline.progress_bar`], ``encode_prompt``, ``prepare_latents`` and
+    ``check_inputs``; a pipeline variant overrides ``check_conditioning_inputs``, ``check_conditioning_fits`` and
+    ``prepare_conditioner``.
     """
 
     _callback_tensor_inputs = ["latents", "prompt_embeds", "negative_prompt_embeds"]
+    _options_class: type[RolloutOptions] = RolloutOptions
+    default_policy: RolloutPolicy = SequentialPolicy()
 
-    # ------------------------------------------------------------------ hooks for the pipeline variants
-    def prepare_rollout(self, **call_kwargs) -> RolloutRun:
-        """Everything ``__call__`` does before its denoising loop, shared with [`LiveRolloutMixin.stream`].
+    def _init_rollout_state(self) -> None:
+        """The pipeline's only rollout state: its kept sessions by branch name (called by ``__init__``)."""
+        self._sessions: dict[str, RolloutSession] = {}
+        self._guidance_scale = 1.0
+        self._attention_kwargs = None
+        self._current_timestep = None
+        self._interrupt = False
+        self._num_timesteps = 0
 
-        Takes the arguments of ``__call__`` but ``return_dict``, all of them by keyword: checks them (before any
-        model work), encodes the prompts and the conditioning, prepares the latents and the per-chunk conditioning
-        the hooks below read, and configures the KV cache.
+    # ------------------------------------------------------------------ hooks of the pipeline variants
+    def check_conditioning_inputs(self, options: RolloutOptions, batch_size: int) -> RolloutShape:
+        """Raise ``ValueError`` for conditioning inputs the pipeline cannot take (before any other check); returns
+        the call's [`RolloutShape`]. Text-to-video takes no conditioning."""
+        return RolloutShape(options.height, options.width, options.num_frames)
+
+    def check_conditioning_fits(self, options: RolloutOptions, bounds: Sequence[tuple[int, int]]) -> None:
+        """Raise ``ValueError`` when the conditioning does not fit the rollout's chunks ``bounds``."""
+
+    def prepare_conditioner(
+        self, options: RolloutOptions, shape: RolloutShape, batch_size: int, device: torch.device
+    ) -> Conditioner:
+        """Encode the call's conditioning into the [`Conditioner`] of its session. Text-to-video: text only."""
+        return Conditioner()
+
+    def select_policy(self, options: RolloutOptions) -> RolloutPolicy:
+        """The [`RolloutPolicy`] that runs a call: the pipeline's ``default_policy`` (a policy option of the call,
+        e.g. a recompute or rolling-window policy, is resolved here)."""
+        return self.default_policy
+
+    # ------------------------------------------------------------------ the prepare template
+    def resolve_options(self, options: RolloutOptions) -> RolloutOptions:
+        """``options`` with the pipeline's stored settings filling what the call left out.
+
+        * ``timesteps`` (and ``first_chunk_timesteps``): the stored ones when the call names no schedule
+          (``num_inference_steps``, ``timesteps`` or ``sigmas``); else 4 steps.
+        * ``context_noise``: the stored one (0 by default).
+        * ``attention_window`` / ``sink_frames``: the stored ones when a ``kv_cache_engine`` is configured.
+        * a ``PipelineCallback``'s ``tensor_inputs``.
+        """
+        config = self.config
+        changes: dict[str, Any] = {}
+        if isinstance(options.callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            changes["callback_on_step_end_tensor_inputs"] = options.callback_on_step_end.tensor_inputs
+        if options.timesteps is None and options.sigmas is None and options.num_inference_steps is None:
+            changes["timesteps"] = config.get("timesteps")
+            if options.first_chunk_timesteps is None:
+                changes["first_chunk_timesteps"] = config.get("first_chunk_timesteps")
+        if options.num_inference_steps is None:
+            changes["num_inference_steps"] = 4
+        if options.context_noise is None:
+            changes["context_noise"] = config.get("context_noise", 0.0)
+        stored = options.kv_cache_engine is not None
+        if options.attention_window is None and stored:
+            changes["attention_window"] = config.get("attention_window")
+        if options.sink_frames is None:
+            changes["sink_frames"] = config.get("sink_frames", 0) if stored else 0
+        return replace(options, **changes)
+
+    @staticmethod
+    def batch_size_of(prompt: Any, prompt_embeds: Any) -> int:
+        """The batch of a call: one per prompt, else the embeddings' batch (1 while they are still unchecked)."""
+        if isinstance(prompt, str):
+            return 1
+        if isinstance(prompt, list):
+            return len(prompt)
+        return prompt_embeds.shape[0] if isinstance(prompt_embeds, torch.Tensor) else 1
+
+    @torch.no_grad()
+    def prepare_rollout(self, options: RolloutOptions) -> RolloutRun:
+        """Everything ``__call__`` does before its denoising loop, shared with ``stream``: check the inputs (before
+        any model work), encode the prompts and the conditioning, sample the noise, plan the chunks, configure the
+        KV cache and open the session.
 
         Returns:
             The [`RolloutRun`] to roll out.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not implement `prepare_rollout`.")
+        options = self.resolve_options(options)
 
-    def run_call(self, call_arguments: Mapping[str, Any]) -> WanPipelineOutput | tuple:
-        """The body of every causal pipeline's ``__call__``, which passes its ``locals()``: prepare, roll out chunk by
-        chunk, decode."""
-        arguments = {name: value for name, value in call_arguments.items() if name not in ("self", "__class__")}
-        return_dict = arguments.pop("return_dict")
-        run = self.prepare_rollout(**arguments)
+        # 1. Check inputs. Raise error if not correct
+        prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(options.prompt, options.prompt_embeds)
+        options = replace(options, prompt=prompt, prompt_embeds=prompt_embeds)
+        batch_size = self.batch_size_of(prompt, prompt_embeds)
+        shape = self.check_conditioning_inputs(options, batch_size)
+        self.check_kv_cache_inputs(options.kv_cache_engine, options.attention_window, options.sink_frames)
+        self.check_inputs(options, shape, batch_size)
+        num_latent_frames = (shape.num_frames - 1) // self.vae_scale_factor_temporal + 1
+        bounds = self.rollout_chunk_bounds(num_latent_frames, options.chunk_size)
+        self.check_conditioning_fits(options, bounds)
+        check_window_fits_chunks(options.attention_window, options.sink_frames, bounds)
+
+        # 2. Encode input prompt
+        device = self._execution_device
+        prompt_embeds, negative_prompt_embeds, prompt_switches = self.encode_rollout_prompts(
+            prompt, options.negative_prompt, prompt_embeds, options.negative_prompt_embeds, prompt_schedule,
+            options.guidance_scale, options.max_sequence_length, device,
+        )  # fmt: skip
+
+        # 3. Encode the conditioning (once: every forward reuses the same tensors, so the cross K/V cache recognizes
+        # its conditioning)
+        conditioner = self.prepare_conditioner(options, shape, batch_size, device)
+
+        # 4. Prepare timesteps (set on the scheduler again at every chunk) and latent variables
+        schedule = self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)
+        first_schedule = None
+        if options.first_chunk_timesteps is not None:
+            first_schedule = self.rollout_schedule(1, timesteps=options.first_chunk_timesteps)
+        latents = self.prepare_latents(
+            batch_size,
+            self.transformer.config.out_channels,
+            shape.height,
+            shape.width,
+            shape.num_frames,
+            torch.float32,
+            device,
+            options.generator,
+            options.latents,
+        )
+
+        # 5. Plan the chunks (prompt schedules count video pixel frames: reference frames come before frame 0), then
+        # fresh KV-cache engines (after every check that can raise, so a bad schedule never resets a kept rollout)
+        plan = ChunkPlan.from_bounds(bounds, schedule, first_schedule=first_schedule)
+        refs = shape.num_reference_frames
+        switches = self.prompt_switch_chunks(prompt_switches, [(max(s - refs, 0), e - refs) for s, e in bounds])
+        self.configure_kv_cache(options.kv_cache_engine, options.attention_window, options.sink_frames, bounds)
+        session = self.open_session(
+            conditioner,
+            prompt_embeds,
+            negative_prompt_embeds,
+            guidance_scale=options.guidance_scale,
+            context_noise=options.context_noise,
+            schedule=schedule,
+            first_schedule=first_schedule,
+            attention_kwargs=options.attention_kwargs,
+            keep_history=options.keep_cache or (options.recache and bool(switches)),
+            num_reference_frames=refs,
+        )
+        policy = self.select_policy(options)
+        return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
+
+    def open_session(
+        self,
+        conditioner: Conditioner,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        *,
+        guidance_scale: float = 1.0,
+        context_noise: float = 0.0,
+        schedule: Mapping[str, Any],
+        first_schedule: Mapping[str, Any] | None = None,
+        attention_kwargs: dict[str, Any] | None = None,
+        branch: str = MAIN_BRANCH,
+        keep_history: bool = True,
+        num_reference_frames: int = 0,
+    ) -> RolloutSession:
+        """A new [`RolloutSession`] on this pipeline's transformer."""
+        return RolloutSession(
+            self.transformer,
+            conditioner,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            guidance_scale=guidance_scale,
+            context_noise=context_noise,
+            schedule=schedule,
+            first_schedule=first_schedule,
+            attention_kwargs=attention_kwargs,
+            num_train_timesteps=self.scheduler.config.num_train_timesteps,
+            branch=branch,
+            keep_history=keep_history,
+            num_reference_frames=num_reference_frames,
+        )
+
+    def generate(self, options: RolloutOptions) -> WanPipelineOutput | tuple:
+        """The body of every causal pipeline's ``__call__``: prepare, roll out chunk by chunk, decode."""
+        run = self.prepare_rollout(options)
+        latents = run.source.noise.clone()
 
         # 6. Denoising loop: the causal rollout, chunk by chunk
-        with run:
-            for chunk in self.rollout(**run.rollout_kwargs):
-                run.latents[:, :, chunk.start : chunk.end] = chunk.latents
+        for chunk in run.chunks():
+            latents[:, :, chunk.start : chunk.end] = chunk.latents
 
         # 7. Decode, offload all models
-        return run.finish(arguments["output_type"], return_dict)
+        return self.finish_output(
+            latents[:, :, run.num_reference_frames :], run.options.output_type, run.options.return_dict
+        )
+
+    def finish_output(self, latents: torch.Tensor, output_type: str, return_dict: bool) -> WanPipelineOutput | tuple:
+        """Decode ``latents`` (see [`decode_latents`]), offload the models and return the frames as ``__call__``
+        does: a ``WanPipelineOutput``, or ``(frames,)`` when ``return_dict`` is ``False``."""
+        video = self.decode_latents(latents, output_type)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return (video,)
+        return WanPipelineOutput(frames=video)
+
+    # ------------------------------------------------------------------ running a policy on a session
+    def run_policy(
+        self,
+        session: RolloutSession,
+        plan: ChunkPlan,
+        source: NoiseSource,
+        *,
+        policy: RolloutPolicy | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        callback_on_step_end: Callable[..., dict[str, torch.Tensor]] | None = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        keep_cache: bool = False,
+        prompt_switches: Mapping[int, torch.Tensor] | None = None,
+        recache: bool = False,
+        resume: bool = False,
+    ) -> Iterator[ChunkRecord]:
+        """Run ``plan`` on ``session`` with ``policy`` (the pipeline's ``default_policy``), owning the cache lifecycle.
+
+        A fresh rollout clears every cache first; ``resume`` continues ``session`` (a kept one) instead. On exit,
+        normal or not, the caches are freed unless ``keep_cache`` is set and the last chunk was handed out (then the
+        session is kept as its branch); an exception, an interruption (``self._interrupt = True`` from a callback)
+        or closing the generator early therefore leaves the pipeline exactly as fresh as before (a resumed rollout
+        discards its own branch only).
+        """
+        policy = policy or self.default_policy
+        self._guidance_scale = session.guidance_scale
+        self._attention_kwargs = session.attention_kwargs
+        self._current_timestep = None
+        self._interrupt = False
+        if not resume:
+            self.discard_rollout()
+        kept = False
+        try:
+            for chunk in policy.run(
+                self,
+                session,
+                plan,
+                source,
+                generator=generator,
+                callback_on_step_end=callback_on_step_end,
+                callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+                store_last=keep_cache,
+                prompt_switches=prompt_switches,
+                recache=recache,
+            ):
+                if chunk.is_last and keep_cache:  # kept before it is handed out: a consumer may stop right after
+                    self._sessions[session.branch] = session
+                    kept = True
+                yield chunk
+        finally:
+            self._current_timestep = None
+            if not kept:
+                self.discard_rollout(session.branch if resume else None)
+
+    def rollout(
+        self,
+        latents: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        *,
+        chunk_bounds: Sequence[tuple[int, int]],
+        schedule: dict[str, list[float]],
+        guidance_scale: float = 1.0,
+        context_noise: float = 0.0,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        attention_kwargs: dict[str, Any] | None = None,
+        callback_on_step_end: Callable[..., dict[str, torch.Tensor]] | None = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        keep_cache: bool = False,
+        prompt_switches: Mapping[int, torch.Tensor] | None = None,
+        recache: bool = False,
+        conditioner: Conditioner | None = None,
+    ) -> Iterator[ChunkRecord]:
+        """Roll out prepared inputs (no checks, no encoding): the sequential policy on a new session.
+
+        Args:
+            latents: ``(B, C, F, H, W)`` float32 initial noise; chunk ``[s, e)`` starts from ``latents[:, :, s:e]``.
+            prompt_embeds: ``(B, L, text_dim)`` text embeddings in the transformer's dtype.
+            negative_prompt_embeds: ``(B, L', text_dim)``, required when ``guidance_scale > 1``.
+            chunk_bounds: ``[start, end)`` of every chunk (see [`rollout_chunk_bounds`]).
+            schedule: ``scheduler.set_timesteps`` arguments (see [`rollout_schedule`]), applied at every chunk.
+            conditioner: the chunks' [`Conditioner`] (text only by default).
+            Others: as in ``__call__``.
+
+        Yields:
+            [`ChunkRecord`] per finished chunk, in order.
+        """
+        session = self.open_session(
+            conditioner or Conditioner(),
+            prompt_embeds,
+            negative_prompt_embeds,
+            guidance_scale=guidance_scale,
+            context_noise=context_noise,
+            schedule=schedule,
+            attention_kwargs=attention_kwargs,
+            keep_history=keep_cache or (recache and bool(prompt_switches)),
+        )
+        return self.run_policy(
+            session,
+            ChunkPlan.from_bounds(chunk_bounds, schedule),
+            NoiseSource(latents),
+            generator=generator,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            keep_cache=keep_cache,
+            prompt_switches=prompt_switches,
+            recache=recache,
+        )
+
+    # ------------------------------------------------------------------ kept sessions
+    @property
+    def rollout_branches(self) -> list[str]:
+        """Names of the kept rollouts (``"main"`` after ``pipe(..., keep_cache=True)``, then the forks)."""
+        return list(self._sessions)
+
+    def kept_rollout(self, branch: str = MAIN_BRANCH) -> RolloutSession:
+        """The kept [`RolloutSession`] of ``branch``; ``ValueError`` when there is none."""
+        if branch not in self._sessions:
+            raise ValueError(
+                f"No kept rollout on branch {branch!r} (kept: {sorted(self._sessions)}): run the pipeline with "
+                "`keep_cache=True` first, or fork an existing branch."
+            )
+        return self._sessions[branch]
+
+    def discard_rollout(self, branch: str | None = None) -> None:
+        """Free the caches of ``branch`` (every kept rollout, and every cache, when ``None``)."""
+        if branch is None:
+            self.transformer.clear_caches()
+            self._sessions.clear()
+            return
+        self._sessions.pop(branch, None)
+        discard_branch(self.transformer, branch)
+
+    # ------------------------------------------------------------------ prompt schedules
+    @staticmethod
+    def split_prompt_schedule(prompt: Any, prompt_embeds: Any) -> tuple[Any, Any, dict[int, Any]]:
+        """Split a prompt schedule into the prompt of frame 0 and the later switches.
+
+        ``prompt`` (or ``prompt_embeds``) may be a dict ``{pixel_frame: prompt}`` whose keys include 0; anything else
+        is returned as it is with no switches.
+
+        Returns:
+            ``(prompt, prompt_embeds, switches)``: the frame-0 entry in place of the dict and ``{frame: prompt or
+            (B, L, text_dim) embeddings}`` for the frames after 0.
+        """
+        name, schedule = ("prompt", prompt) if isinstance(prompt, Mapping) else ("prompt_embeds", prompt_embeds)
+        if not isinstance(schedule, Mapping):
+            return prompt, prompt_embeds, {}
+        frames = list(schedule)
+        if any(isinstance(f, bool) or not isinstance(f, int) or f < 0 for f in frames) or 0 not in schedule:
+            raise ValueError(
+                f"A `{name}` schedule must map pixel frames (ints >= 0, 0 included) to prompts, e.g. "
+                f"{{0: 'a cat', 48: 'a dog'}}; got the keys {frames}."
+            )
+        switches = {frame: schedule[frame] for frame in sorted(frames) if frame > 0}
+        if name == "prompt":
+            return schedule[0], prompt_embeds, switches
+        return prompt, schedule[0], switches
 
     def encode_rollout_prompts(
         self,
@@ -191,94 +511,67 @@ class CausalRolloutMixin(LiveRolloutMixin):
         switches = self.encode_prompt_switches(prompt_schedule, prompt_embeds, max_sequence_length, device)
         return prompt_embeds, negative_prompt_embeds, switches
 
-    def plan_chunks(
+    def encode_prompt_switches(
         self,
-        num_latent_frames: int,
-        call_arguments: Mapping[str, Any],
-        prompt_switches: Mapping[int, torch.Tensor],
-        leading_frames: int = 0,
-    ) -> tuple[list[tuple[int, int]], dict[int, torch.Tensor]]:
-        """The chunk bounds of a rollout of ``num_latent_frames`` and its prompt switches by chunk, then fresh KV-cache
-        engines for it (after every check that can raise, so a bad schedule never resets a kept rollout).
-
-        ``call_arguments`` supplies ``chunk_size``, ``kv_cache_engine``, ``attention_window`` and ``sink_frames``;
-        ``leading_frames`` latent frames (VACE's reference images) come before the video's frame 0.
-        """
-        bounds = self.rollout_chunk_bounds(num_latent_frames, call_arguments["chunk_size"])
-        video_bounds = [(max(start - leading_frames, 0), end - leading_frames) for start, end in bounds]
-        switches_by_chunk = self.prompt_switch_chunks(prompt_switches, video_bounds)
-        self.configure_kv_cache(
-            call_arguments["kv_cache_engine"],
-            call_arguments["attention_window"],
-            call_arguments["sink_frames"],
-            bounds,
-        )
-        return bounds, switches_by_chunk
-
-    def rollout_run(
-        self,
-        call_arguments: Mapping[str, Any],
-        video_latents: torch.Tensor,
-        *,
-        release: Callable[[], None] | None = None,
-        num_reference_frames: int = 0,
-        **rollout_kwargs: Any,
-    ) -> RolloutRun:
-        """The [`RolloutRun`] of a prepared call: ``rollout_kwargs`` (the prepared ``latents``, embeddings,
-        ``chunk_bounds``, ``schedule``, ``prompt_switches``) plus the call's own ``ROLLOUT_CALL_ARGUMENTS`` taken from
-        ``call_arguments`` (the ``locals()`` of ``prepare_rollout``, defaults resolved)."""
-        kwargs = {name: call_arguments[name] for name in ROLLOUT_CALL_ARGUMENTS} | rollout_kwargs
-        return RolloutRun(self, kwargs, video_latents, num_reference_frames, release)
-
-    def prepare_chunk_inputs(
-        self,
-        chunk_index: int,
-        start: int,
-        end: int,
-        latents_chunk: torch.Tensor,
-        *,
-        cache_tag: str,
-        store_kv: bool,
-    ) -> dict[str, Any]:
-        """Transformer keyword arguments for one forward of chunk ``[start, end)``; text-to-video needs none.
-
-        Called before every transformer forward of the chunk (each denoising step, each CFG branch, and the
-        cache-filling pass with ``store_kv=True``). The rollout passes ``hidden_states=latents_chunk`` and
-        ``encoder_hidden_states`` (the branch's text embeddings); a returned key replaces or adds an argument. The
-        returned ``hidden_states`` is cast to the transformer's dtype.
+        switches: Mapping[int, Any],
+        prompt_embeds: torch.Tensor,
+        max_sequence_length: int,
+        device: torch.device,
+    ) -> dict[int, torch.Tensor]:
+        """Encode the prompts of ``switches`` (``{pixel_frame: prompt or embeddings}``) like the frame-0 prompt.
 
         Args:
-            chunk_index: position of the chunk in the partition.
-            start: absolute index of the chunk's first latent frame (``end`` is one past its last).
-            latents_chunk: ``(B, C, end - start, H, W)`` float32 latents of this forward (noisy, or the clean chunk
-                of the cache pass, re-noised when ``context_noise > 0``).
-            cache_tag: ``"pos"`` for the conditional branch, ``"neg"`` for the unconditional one.
-            store_kv: whether this forward is the cache-filling pass of the chunk.
+            prompt_embeds: ``(B, L, text_dim)`` embeddings of the frame-0 prompt: every switch must match its batch
+                and width.
 
         Returns:
-            A dict of extra transformer arguments, e.g. ``{"hidden_states": torch.cat([latents_chunk, cond], 1),
-            "encoder_hidden_states_image": image_embeds}`` for Wan2.1 image-to-video.
+            ``{pixel_frame: (B, L', text_dim)}`` in the transformer's dtype.
         """
-        return {}
+        encoded = {}
+        for frame, value in switches.items():
+            if isinstance(value, torch.Tensor):
+                embeds = value
+            else:
+                embeds = self.encode_prompt(
+                    prompt=value,
+                    do_classifier_free_guidance=False,
+                    max_sequence_length=max_sequence_length,
+                    device=device,
+                )[0]
+            if (
+                embeds.ndim != 3
+                or embeds.shape[0] != prompt_embeds.shape[0]
+                or embeds.shape[2] != prompt_embeds.shape[2]
+            ):
+                raise ValueError(
+                    f"The prompt at frame {frame} encodes to {tuple(embeds.shape)}, but the frame-0 prompt to "
+                    f"{tuple(prompt_embeds.shape)}: a switch must keep the batch and the text width."
+                )
+            encoded[frame] = embeds.to(device, self.transformer.dtype)
+        return encoded
 
-    def chunk_timestep(self, chunk_index: int, start: int, end: int, timestep: torch.Tensor) -> torch.Tensor:
-        """The transformer's timestep for one forward of chunk ``[start, end)``: ``timestep`` ``(B,)`` as it is, or
-        per-frame ``(B, end - start)`` (Wan2.2 TI2V keeps its clean first frame at 0). Text-to-video changes nothing.
-        """
-        return timestep
-
-    def after_chunk_step(self, chunk_index: int, start: int, end: int, latents_chunk: torch.Tensor) -> torch.Tensor:
-        """``(B, C, end - start, H, W)`` latents of chunk ``[start, end)`` after a scheduler step, before the callback
-        (Wan2.2 TI2V puts its clean first frame back). Text-to-video changes nothing."""
-        return latents_chunk
-
-    def context_chunk_latents(self, chunk_index: int, start: int, end: int) -> torch.Tensor | None:
-        """Clean ``(B, C, end - start, H, W)`` latents of a chunk that is given rather than generated, or ``None``.
-
-        A context chunk skips denoising: it is written to the cache (the same pass as a generated chunk's clean
-        latents) and yielded as it is. Text-to-video generates every chunk.
-        """
-        return None
+    def prompt_switch_chunks(
+        self, switches: Mapping[int, torch.Tensor], bounds: Sequence[tuple[int, int]]
+    ) -> dict[int, torch.Tensor]:
+        """Map ``{pixel_frame: embeddings}`` to ``{chunk_index: embeddings}``: a switch takes effect at the first
+        chunk whose first pixel frame is at or after its frame (latent frame ``s >= 1`` starts at pixel ``4s - 3``)."""
+        temporal = self.vae_scale_factor_temporal
+        firsts = [0 if start == 0 else temporal * start - (temporal - 1) for start, _ in bounds]
+        by_chunk: dict[int, torch.Tensor] = {}
+        for frame, embeds in switches.items():
+            index = next((i for i, first in enumerate(firsts) if first >= frame), None)
+            if index is None:
+                raise ValueError(
+                    f"The prompt switch at pixel frame {frame} is past the last chunk, which starts at pixel frame "
+                    f"{firsts[-1]}; chunks start at pixel frames {firsts}."
+                )
+            if index in by_chunk:
+                raise ValueError(
+                    f"Two prompt switches take effect at the same chunk (starting at pixel frame {firsts[index]}); "
+                    f"chunks start at pixel frames {firsts}: keep one switch per chunk."
+                )
+            by_chunk[index] = embeds
+        return by_chunk
 
     # ------------------------------------------------------------------ planning and validation
     def rollout_chunk_bounds(self, num_latent_frames: int, chunk_size: int | None = None) -> list[tuple[int, int]]:
@@ -304,7 +597,7 @@ class CausalRolloutMixin(LiveRolloutMixin):
         ``kv_cache_engine=None`` keeps the engines the transformer has (e.g. ones set with
         ``transformer.set_kv_cache_engines``). Called at the start of a rollout, whose caches are empty anyway.
         """
-        self.check_window_fits_chunks(attention_window, sink_frames, chunk_bounds)
+        check_window_fits_chunks(attention_window, sink_frames, chunk_bounds)
         if kv_cache_engine is None:
             return
         self.discard_rollout()  # kept rollouts live in the engines being replaced
@@ -317,54 +610,15 @@ class CausalRolloutMixin(LiveRolloutMixin):
         )
         self.transformer.set_kv_cache_engines(engines)
 
-    def resolve_sampling_defaults(
-        self,
-        num_inference_steps: int | None,
-        timesteps: Sequence[float] | None,
-        sigmas: Sequence[float] | None,
-        context_noise: float | None,
-    ) -> tuple[int, Sequence[float] | None, float]:
-        """``(num_inference_steps, timesteps, context_noise)``, the pipeline's stored sampling settings (a converted
-        student's ``timesteps`` / ``context_noise``) filling what the call leaves out; else 4 steps and 0."""
-        if timesteps is None and sigmas is None and num_inference_steps is None:
-            timesteps = self.config.get("timesteps")
-        num_inference_steps = 4 if num_inference_steps is None else num_inference_steps
-        context_noise = self.config.get("context_noise", 0.0) if context_noise is None else context_noise
-        return num_inference_steps, timesteps, context_noise
-
-    @staticmethod
-    def check_window_fits_chunks(
-        attention_window: int | None, sink_frames: int, chunk_bounds: Sequence[tuple[int, int]]
-    ) -> None:
-        """Raise ``ValueError`` when a chunk cannot fit in the window beside the sink (checked before any work)."""
-        if attention_window is None:
-            return
-        largest = max(end - start for start, end in chunk_bounds)
-        if largest > attention_window - sink_frames:
-            raise ValueError(
-                f"`attention_window={attention_window}` with `sink_frames={sink_frames}` leaves room for "
-                f"{attention_window - sink_frames} frames, but a chunk has {largest} latent frames; use a window of "
-                f"at least {largest + sink_frames} frames."
-            )
-
     @staticmethod
     def check_kv_cache_inputs(kv_cache_engine: str | None, attention_window: int | None, sink_frames: int) -> None:
-        """Raise ``ValueError`` for an engine kind or window the engines cannot serve."""
+        """Raise ``ValueError`` for an engine kind or window the engines cannot serve (the window settings by
+        [`AttentionWindow`], the engines' own rule)."""
         if kv_cache_engine is not None and kv_cache_engine not in ENGINE_KINDS:
             raise ValueError(f"`kv_cache_engine` must be one of {ENGINE_KINDS} or None, got {kv_cache_engine!r}.")
         if kv_cache_engine is None and (attention_window is not None or sink_frames):
             raise ValueError("`attention_window`/`sink_frames` need a `kv_cache_engine` ('static' or 'vanilla').")
-        if attention_window is not None and (not isinstance(attention_window, int) or attention_window < 1):
-            raise ValueError(
-                f"`attention_window` must be a positive number of latent frames or None, got {attention_window!r}."
-            )
-        if not isinstance(sink_frames, int) or sink_frames < 0:
-            raise ValueError(f"`sink_frames` must be a non-negative number of latent frames, got {sink_frames!r}.")
-        if sink_frames and (attention_window is None or sink_frames >= attention_window):
-            raise ValueError(
-                f"`sink_frames={sink_frames}` must be smaller than `attention_window` ({attention_window}): the sink "
-                "lives inside the window."
-            )
+        AttentionWindow.from_arguments(attention_window, sink_frames)
 
     def check_rollout_inputs(
         self,
@@ -374,6 +628,7 @@ class CausalRolloutMixin(LiveRolloutMixin):
         timesteps: Sequence[float] | None,
         sigmas: Sequence[float] | None,
         context_noise: float,
+        first_chunk_timesteps: Sequence[float] | None = None,
     ) -> None:
         """Raise ``ValueError`` for a chunking, schedule or context timestep the rollout cannot serve."""
         config = self.transformer.config
@@ -399,7 +654,11 @@ class CausalRolloutMixin(LiveRolloutMixin):
         num_train_timesteps = self.scheduler.config.num_train_timesteps
         if timesteps is not None and sigmas is not None:
             raise ValueError("Pass at most one of `timesteps` and `sigmas`, not both.")
-        for name, values, upper in (("timesteps", timesteps, num_train_timesteps), ("sigmas", sigmas, 1.0)):
+        for name, values, upper in (
+            ("timesteps", timesteps, num_train_timesteps),
+            ("first_chunk_timesteps", first_chunk_timesteps, num_train_timesteps),
+            ("sigmas", sigmas, 1.0),
+        ):
             if values is None:
                 continue
             values = [float(v) for v in values]
@@ -471,213 +730,6 @@ class CausalRolloutMixin(LiveRolloutMixin):
     @property
     def attention_kwargs(self) -> dict[str, Any] | None:
         return self._attention_kwargs
-
-    # ------------------------------------------------------------------ the loop
-    def _chunk_forward(
-        self,
-        latents_chunk: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        *,
-        chunk_index: int,
-        start: int,
-        end: int,
-        cache_tag: str,
-        store_kv: bool,
-    ) -> torch.Tensor:
-        """One transformer forward of chunk ``[start, end)``: ``(B, C, F, H, W)`` latents to the flow prediction."""
-        model_kwargs = {"hidden_states": latents_chunk, "encoder_hidden_states": encoder_hidden_states}
-        model_kwargs.update(
-            self.prepare_chunk_inputs(chunk_index, start, end, latents_chunk, cache_tag=cache_tag, store_kv=store_kv)
-        )
-        model_kwargs["hidden_states"] = model_kwargs["hidden_states"].to(self.transformer.dtype)
-        return self.transformer(
-            timestep=self.chunk_timestep(chunk_index, start, end, timestep),
-            start_frame=start,
-            cache_tag=cache_tag,
-            store_kv=store_kv,
-            attention_kwargs=self._attention_kwargs,
-            return_dict=False,
-            **model_kwargs,
-        )[0]
-
-    def rollout(
-        self,
-        latents: torch.Tensor,
-        prompt_embeds: torch.Tensor,
-        negative_prompt_embeds: torch.Tensor | None = None,
-        *,
-        chunk_bounds: Sequence[tuple[int, int]],
-        schedule: dict[str, list[float]],
-        guidance_scale: float = 1.0,
-        context_noise: float = 0.0,
-        generator: torch.Generator | list[torch.Generator] | None = None,
-        attention_kwargs: dict[str, Any] | None = None,
-        callback_on_step_end: Callable[..., dict[str, torch.Tensor]] | None = None,
-        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
-        keep_cache: bool = False,
-        prompt_switches: Mapping[int, torch.Tensor] | None = None,
-        recache: bool = False,
-        branch: str = MAIN_BRANCH,
-        resume: bool = False,
-    ) -> Iterator[ChunkOutput]:
-        """Generate the chunks one after the other, yielding each as soon as its clean latents are in the cache.
-
-        Inputs are expected validated (``check_inputs``). Every cache is cleared first. On exit, normal or not, the
-        caches are freed unless ``keep_cache`` is set and the rollout finished; an exception, an interruption
-        (``self._interrupt = True`` from a callback) or closing the generator early therefore leaves the pipeline
-        exactly as fresh as before.
-
-        Args:
-            latents: ``(B, C, F, H, W)`` float32 initial noise of the whole video; chunk ``[s, e)`` starts from
-                ``latents[:, :, s:e]``.
-            prompt_embeds: ``(B, L, text_dim)`` text embeddings in the transformer's dtype.
-            negative_prompt_embeds: ``(B, L', text_dim)``, required when ``guidance_scale > 1``.
-            chunk_bounds: ``[start, end)`` of every chunk (see [`rollout_chunk_bounds`]).
-            schedule: ``scheduler.set_timesteps`` arguments (see [`rollout_schedule`]), applied at every chunk.
-            guidance_scale: classifier-free guidance weight; above 1 the unconditional branch runs under
-                ``cache_tag="neg"`` with its own caches.
-            context_noise: timestep of the cache-filling pass; above 0 the clean chunk is re-noised to it first.
-            generator: RNG(s) of the scheduler's re-noising and of the context noise.
-            attention_kwargs: passed to the transformer (``scale`` for LoRA).
-            callback_on_step_end: ``callback(pipe, step, timestep, callback_kwargs)`` after every denoising step;
-                ``step`` counts over chunks x steps and ``"latents"`` is the current chunk ``(B, C, e - s, H, W)``.
-            callback_on_step_end_tensor_inputs: names from ``_callback_tensor_inputs`` given to the callback.
-            keep_cache: leave the caches filled after a finished rollout and record it as the kept rollout
-                ``branch`` (see [`LiveRolloutMixin.continue_rollout`]).
-            prompt_switches: ``{chunk_index: (B, L, text_dim) embeddings}``: the conditional branch follows these
-                embeddings from that chunk on. The cross K/V of its cache tag are invalidated at the switch.
-            recache: at every switch, re-run the cache pass of the earlier chunks under the new prompt (LongLive's
-                recache): one extra transformer forward per earlier chunk, no denoising.
-            branch: name of the kept rollout this rollout writes (``"main"``: cache tags ``"pos"`` / ``"neg"``).
-            resume: continue the kept rollout ``branch`` instead of starting a video: no cache is cleared,
-                ``chunk_bounds`` start where the branch ends and chunk indices continue its numbering. An exception or
-                an early close discards that branch only.
-
-        Yields:
-            [`ChunkOutput`] per finished chunk, in order.
-        """
-        device = latents.device
-        batch_size = latents.shape[0]
-        cache_tags = branch_cache_tags(branch) if guidance_scale > 1.0 else branch_cache_tags(branch)[:1]
-        prompt_switches = prompt_switches or {}
-        self._guidance_scale = guidance_scale
-        self._attention_kwargs = attention_kwargs
-        self._current_timestep = None
-        self._interrupt = False
-        num_steps = len(schedule["sigmas"])
-        history = list(self.kept_rollout(branch).chunks) if resume else []
-        first_index = len(history)
-        contexts = [self.context_chunk_latents(i, s, e) for i, (s, e) in enumerate(chunk_bounds, first_index)]
-        self._num_timesteps = num_steps * sum(context is None for context in contexts)
-        context_timestep = torch.full((batch_size,), float(context_noise), device=device)
-        context_sigma = float(context_noise) / self.scheduler.config.num_train_timesteps
-
-        if not resume:
-            self.discard_rollout()
-        finished = False
-        try:
-            with self.progress_bar(total=self._num_timesteps) as progress_bar:
-                step = 0
-                for chunk_index, (start, end) in enumerate(chunk_bounds, first_index):
-                    if self.interrupt:
-                        return
-                    if chunk_index in prompt_switches:
-                        prompt_embeds = prompt_switches[chunk_index]
-                        self._switch_prompt(prompt_embeds, history, cache_tags[0], context_timestep, recache)
-                    clean = contexts[chunk_index - first_index]
-                    if clean is None:
-                        latents_chunk = latents[:, :, start:end]
-                        self.scheduler.set_timesteps(**schedule, device=device)
-                        self.scheduler.set_begin_index(0)
-                        for t in self.scheduler.timesteps:
-                            if self.interrupt:
-                                return
-                            self._current_timestep = t
-                            timestep = t.expand(batch_size)
-                            flow = self._chunk_forward(
-                                latents_chunk,
-                                timestep,
-                                prompt_embeds,
-                                chunk_index=chunk_index,
-                                start=start,
-                                end=end,
-                                cache_tag=cache_tags[0],
-                                store_kv=False,
-                            )
-                            if guidance_scale > 1.0:
-                                flow_uncond = self._chunk_forward(
-                                    latents_chunk,
-                                    timestep,
-                                    negative_prompt_embeds,
-                                    chunk_index=chunk_index,
-                                    start=start,
-                                    end=end,
-                                    cache_tag=cache_tags[1],
-                                    store_kv=False,
-                                )
-                                flow = flow_uncond + guidance_scale * (flow - flow_uncond)
-                            latents_chunk = self.scheduler.step(
-                                flow.float(), t, latents_chunk, generator=generator, return_dict=False
-                            )[0]
-                            latents_chunk = self.after_chunk_step(chunk_index, start, end, latents_chunk)
-
-                            if callback_on_step_end is not None:
-                                tensors = {
-                                    "latents": latents_chunk,
-                                    "prompt_embeds": prompt_embeds,
-                                    "negative_prompt_embeds": negative_prompt_embeds,
-                                }
-                                callback_kwargs = {}
-                                for name in callback_on_step_end_tensor_inputs:
-                                    callback_kwargs[name] = tensors[name]
-                                callback_outputs = callback_on_step_end(self, step, t, callback_kwargs)
-                                latents_chunk = callback_outputs.pop("latents", latents_chunk)
-                                prompt_embeds = callback_outputs.pop("prompt_embeds", prompt_embeds)
-                                negative_prompt_embeds = callback_outputs.pop(
-                                    "negative_prompt_embeds", negative_prompt_embeds
-                                )
-                            step += 1
-                            progress_bar.update()
-                        clean = latents_chunk
-                    self._current_timestep = None
-
-                    # The last chunk's cache pass only serves a continuation, so it runs only when the cache is kept.
-                    if keep_cache or chunk_index < first_index + len(chunk_bounds) - 1:
-                        context = clean
-                        if context_noise > 0:
-                            noise = randn_tensor(clean.shape, generator=generator, device=device, dtype=clean.dtype)
-                            context = (1.0 - context_sigma) * clean + context_sigma * noise
-                        for cache_tag in cache_tags:
-                            self._chunk_forward(
-                                context,
-                                context_timestep,
-                                prompt_embeds if cache_tag == cache_tags[0] else negative_prompt_embeds,
-                                chunk_index=chunk_index,
-                                start=start,
-                                end=end,
-                                cache_tag=cache_tag,
-                                store_kv=True,
-                            )
-                        history.append(RolloutChunk(chunk_index, start, end, clean, context))
-                    is_last = chunk_index == first_index + len(chunk_bounds) - 1
-                    yield ChunkOutput(chunk_index, start, end, clean, is_last)
-            finished = True
-        finally:
-            self._current_timestep = None
-            if finished and keep_cache:
-                self._kept_rollouts[branch] = KeptRollout(
-                    cache_tags=cache_tags,
-                    chunks=tuple(history),
-                    prompt_embeds=prompt_embeds,
-                    negative_prompt_embeds=negative_prompt_embeds,
-                    schedule=schedule,
-                    guidance_scale=guidance_scale,
-                    context_noise=context_noise,
-                    attention_kwargs=attention_kwargs,
-                )
-            else:
-                self.discard_rollout(branch if resume else None)
 
     # ------------------------------------------------------------------ output
     def decode_latents(self, latents: torch.Tensor, output_type: str = "np"):

@@ -1,0 +1,51 @@
+"""Which attention modules an engine serves: ``id(module) -> block index`` for one branch of a model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+
+class BlockRegistry:
+    """The ``attn1``/``attn2`` modules of a branch's blocks; ``blocks[i]`` is block index ``i`` (local to the branch).
+
+    Lookups are keyed by ``id(module)``. A deep copy of a model copies its modules before its engines (``_modules``
+    comes first in its state), so a copied registry re-keys on the copied modules and resolves its own model's
+    attention; a copy of the registry alone keeps pointing at the same modules.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module] = ()) -> None:
+        self._modules: list[tuple[nn.Module, ...]] = [(block.attn1, block.attn2) for block in blocks]
+        self._index = self._build_index()
+
+    def _build_index(self) -> dict[int, int]:
+        return {id(module): block_idx for block_idx, modules in enumerate(self._modules) for module in modules}
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def owns(self, attn: nn.Module) -> bool:
+        return id(attn) in self._index
+
+    def block_index(self, attn: nn.Module, owner: str = "engine") -> int:
+        """Branch-local block index of a registered attention module; ``RuntimeError`` for any other module."""
+        try:
+            return self._index[id(attn)]
+        except KeyError:
+            raise RuntimeError(
+                f"{type(attn).__name__} at {id(attn):#x} is not registered with this {owner} "
+                f"({len(self)} blocks registered)."
+            ) from None
+
+    def __deepcopy__(self, memo: dict) -> BlockRegistry:
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new._modules = [tuple(memo.get(id(module), module) for module in modules) for modules in self._modules]
+        new._index = new._build_index()
+        return new
+
+    def __copy__(self) -> BlockRegistry:
+        new = type(self).__new__(type(self))
+        new._modules, new._index = list(self._modules), dict(self._index)
+        return new

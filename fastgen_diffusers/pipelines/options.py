@@ -1,0 +1,71 @@
+"""Typed call options: the arguments of a causal pipeline's ``__call__`` (and ``stream``) as one value.
+
+``__call__`` builds its options explicitly (a renamed argument fails loudly), the shared prepare template reads
+them, and ``resolve`` fills what the call left out from the pipeline's stored sampling settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import torch
+
+
+@dataclass(kw_only=True)
+class RolloutOptions:
+    """The arguments of [`WanCausalPipeline.__call__`] (see there), ``return_dict`` included."""
+
+    prompt: str | list[str] | dict[int, Any] | None = None
+    negative_prompt: str | list[str] | None = None
+    height: int | None = 480
+    width: int | None = 832
+    num_frames: int = 81
+    num_inference_steps: int | None = None
+    timesteps: Sequence[float] | None = None
+    sigmas: Sequence[float] | None = None
+    first_chunk_timesteps: Sequence[float] | None = None
+    guidance_scale: float = 1.0
+    chunk_size: int | None = None
+    context_noise: float | None = None
+    generator: torch.Generator | list[torch.Generator] | None = None
+    latents: torch.Tensor | None = None
+    prompt_embeds: torch.Tensor | dict[int, torch.Tensor] | None = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    output_type: str = "np"
+    return_dict: bool = True
+    attention_kwargs: dict[str, Any] | None = None
+    callback_on_step_end: Callable[..., dict[str, torch.Tensor]] | Any | None = None
+    callback_on_step_end_tensor_inputs: list[str] = field(default_factory=lambda: ["latents"])
+    max_sequence_length: int = 512
+    keep_cache: bool = False
+    recache: bool = False
+    attention_window: int | None = None
+    sink_frames: int | None = None
+    kv_cache_engine: str | None = "static"
+
+
+@dataclass(kw_only=True)
+class ImageToVideoOptions(RolloutOptions):
+    """[`RolloutOptions`] plus the image inputs of [`WanCausalImageToVideoPipeline.__call__`]."""
+
+    image: PIL.Image.Image | np.ndarray | torch.Tensor | list[PIL.Image.Image] | None = None
+    video: list[PIL.Image.Image] | torch.Tensor | np.ndarray | None = None
+    image_embeds: torch.Tensor | None = None
+    height: int | None = None
+    width: int | None = None
+
+
+@dataclass(kw_only=True)
+class VACEOptions(RolloutOptions):
+    """[`RolloutOptions`] plus the control inputs of [`WanCausalVACEPipeline.__call__`]."""
+
+    video: Any = None
+    mask: Any = None
+    reference_images: PIL.Image.Image | list[PIL.Image.Image] | list[list[PIL.Image.Image]] | None = None
+    conditioning_scale: float | Sequence[float] | torch.Tensor = 1.0
+    vace_hint_refresh_interval: int = 1
+    allow_lossy: bool = False

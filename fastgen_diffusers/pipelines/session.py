@@ -1,0 +1,225 @@
+"""A rollout session: the state of one causal rollout, from its first chunk to the last continuation.
+
+The session owns the rollout's cache tags, its prompt embeddings and guidance, its context noise, its conditioner
+and the history of finished chunks a policy or a continuation needs. It runs transformer forwards for a policy
+(``forward``, ``store``), and edits its cache (``truncate``, ``fork``, ``discard``). A pipeline keeps the sessions of
+its kept rollouts (``pipe(..., keep_cache=True)``); nothing of a call lives on the pipeline object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from ..chunking import ChunkSpan
+from .conditioning import Conditioner
+from .records import ChunkRecord
+
+MAIN_BRANCH = "main"
+
+
+def branch_cache_tags(branch: str) -> tuple[str, str]:
+    """``(conditional, unconditional)`` cache tags of a rollout branch: ``("pos", "neg")`` for ``"main"``."""
+    return ("pos", "neg") if branch == MAIN_BRANCH else (f"{branch}/pos", f"{branch}/neg")
+
+
+def discard_branch(transformer: Any, branch: str) -> None:
+    """Free the caches of both tags of ``branch`` in every engine of ``transformer``."""
+    for engine in transformer.kv_cache_engines.values():
+        for tag in branch_cache_tags(branch):
+            engine.clear(tag)
+
+
+class RolloutSession:
+    """The state of one rollout branch and the transformer forwards it runs.
+
+    Args:
+        transformer: the causal transformer whose engines hold this session's caches.
+        conditioner: the [`Conditioner`] of every chunk.
+        prompt_embeds: ``(B, L, text_dim)`` embeddings of the conditional branch (the current prompt).
+        negative_prompt_embeds: ``(B, L', text_dim)`` of the unconditional branch (``guidance_scale > 1``).
+        guidance_scale: classifier-free guidance weight; above 1 the unconditional branch has its own cache tag.
+        context_noise: timestep of the cache pass; above 0 a generated chunk is re-noised to it first.
+        schedule: ``scheduler.set_timesteps`` arguments of the chunks (a continuation uses them).
+        first_schedule: those of chunk 0 when it has its own (Causal Forcing++; a redo of chunk 0 uses them).
+        attention_kwargs: passed to the transformer (``scale`` for LoRA).
+        num_train_timesteps: the scheduler's, to turn ``context_noise`` into a sigma.
+        branch: the rollout branch (``"main"``: tags ``"pos"`` / ``"neg"``).
+        keep_history: keep every finished chunk's latents and cache input (a kept rollout, or a recache); without it
+            the session holds no chunk tensors, so a long stream's memory stays flat.
+        num_reference_frames: leading latent frames that are not video frames (VACE's reference images).
+    """
+
+    def __init__(
+        self,
+        transformer: Any,
+        conditioner: Conditioner,
+        *,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None,
+        guidance_scale: float,
+        context_noise: float,
+        schedule: Mapping[str, Any],
+        first_schedule: Mapping[str, Any] | None = None,
+        attention_kwargs: dict[str, Any] | None = None,
+        num_train_timesteps: int = 1000,
+        branch: str = MAIN_BRANCH,
+        keep_history: bool = True,
+        num_reference_frames: int = 0,
+    ) -> None:
+        self.transformer = transformer
+        self.conditioner = conditioner
+        self.prompt_embeds = prompt_embeds
+        self.negative_prompt_embeds = negative_prompt_embeds
+        self.guidance_scale = guidance_scale
+        self.context_noise = context_noise
+        self.schedule = schedule
+        self.first_schedule = first_schedule
+        self.attention_kwargs = attention_kwargs
+        self.num_train_timesteps = num_train_timesteps
+        self.branch = branch
+        self.keep_history = keep_history
+        self.num_reference_frames = num_reference_frames
+        tags = branch_cache_tags(branch)
+        self.cache_tags: tuple[str, ...] = tags if guidance_scale > 1.0 else tags[:1]
+        self.chunks: list[ChunkRecord] = []
+        self.num_latent_frames = 0  # one past the last stored frame
+        self.num_chunks = 0
+
+    # ------------------------------------------------------------------ history
+    @property
+    def latents(self) -> torch.Tensor:
+        """``(B, C, F, H, W)`` clean latents of the whole rollout so far (a session that keeps its history)."""
+        return torch.cat([chunk.latents for chunk in self.chunks], dim=2)
+
+    @property
+    def video_latents(self) -> torch.Tensor:
+        """[`latents`] without the leading reference frames: the frames of the video."""
+        return self.latents[:, :, self.num_reference_frames :]
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The chunk tensors the session holds (its history), to account for memory."""
+        return [t for chunk in self.chunks for t in (chunk.latents, chunk.context) if t is not None]
+
+    # ------------------------------------------------------------------ forwards
+    def embeds_of(self, cache_tag: str) -> torch.Tensor:
+        """The text embeddings of ``cache_tag``'s branch (conditional or unconditional)."""
+        return self.prompt_embeds if cache_tag == self.cache_tags[0] else self.negative_prompt_embeds
+
+    def forward(
+        self,
+        span: ChunkSpan,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        *,
+        cache_tag: str,
+        store_kv: bool,
+        step: int = 0,
+    ) -> torch.Tensor:
+        """One transformer forward of ``span``: ``(B, C, F, H, W)`` float32 latents to the flow prediction."""
+        model_kwargs = {"hidden_states": latents, "encoder_hidden_states": self.embeds_of(cache_tag)}
+        model_kwargs.update(
+            self.conditioner.model_inputs(span, latents, cache_tag=cache_tag, store_kv=store_kv, step=step)
+        )
+        model_kwargs["hidden_states"] = model_kwargs["hidden_states"].to(self.transformer.dtype)
+        return self.transformer(
+            timestep=self.conditioner.timestep(span, timestep),
+            start_frame=span.start,
+            cache_tag=cache_tag,
+            store_kv=store_kv,
+            attention_kwargs=self.attention_kwargs,
+            return_dict=False,
+            **model_kwargs,
+        )[0]
+
+    def guided_flow(self, span: ChunkSpan, latents: torch.Tensor, timestep: torch.Tensor, step: int) -> torch.Tensor:
+        """The flow of a denoising forward, with classifier-free guidance when the session has an unconditional
+        branch (``v_neg + g * (v - v_neg)``)."""
+        flow = self.forward(span, latents, timestep, cache_tag=self.cache_tags[0], store_kv=False, step=step)
+        if len(self.cache_tags) > 1:
+            flow_uncond = self.forward(
+                span, latents, timestep, cache_tag=self.cache_tags[1], store_kv=False, step=step
+            )
+            flow = flow_uncond + self.guidance_scale * (flow - flow_uncond)
+        return flow
+
+    def context_timestep(self, batch_size: int, device: torch.device) -> torch.Tensor:
+        return torch.full((batch_size,), float(self.context_noise), device=device)
+
+    def store(
+        self,
+        span: ChunkSpan,
+        clean: torch.Tensor,
+        generator: torch.Generator | list[torch.Generator] | None,
+    ) -> torch.Tensor:
+        """Write the finished chunk into every cache tag (one ``store_kv`` forward each) and record it.
+
+        A generated chunk is re-noised to ``context_noise`` first (drawing from ``generator``); a given chunk is
+        written clean (its conditioner sets timestep 0). Returns the cache pass input.
+        """
+        context = clean
+        if self.context_noise > 0 and self.conditioner.given_latents(span) is None:
+            sigma = float(self.context_noise) / self.num_train_timesteps
+            noise = randn_tensor(clean.shape, generator=generator, device=clean.device, dtype=clean.dtype)
+            context = (1.0 - sigma) * clean + sigma * noise
+        timestep = self.context_timestep(clean.shape[0], clean.device)
+        for cache_tag in self.cache_tags:
+            self.forward(span, context, timestep, cache_tag=cache_tag, store_kv=True)
+        self.record(span, clean, context)
+        return context
+
+    def record(self, span: ChunkSpan, clean: torch.Tensor, context: torch.Tensor | None) -> None:
+        """Count a finished chunk; keep its tensors only when the session keeps its history."""
+        if self.keep_history:
+            self.chunks.append(ChunkRecord(span.index, span.start, span.end, clean, context=context))
+        self.num_latent_frames = span.end
+        self.num_chunks = span.index + 1
+
+    def switch_prompt(self, prompt_embeds: torch.Tensor, *, recache: bool) -> None:
+        """Condition the conditional tag on ``prompt_embeds`` from the next chunk on.
+
+        The tag's cross K/V are invalidated (the next forward refills them). With ``recache``, every chunk of the
+        history runs its cache pass again under the new prompt, in order (LongLive's recache): one forward per chunk.
+        """
+        self.prompt_embeds = prompt_embeds
+        cache_tag = self.cache_tags[0]
+        for engine in self.transformer.kv_cache_engines.values():
+            engine.invalidate_cross(cache_tag)
+        if not recache or not self.chunks:
+            return
+        timestep = self.context_timestep(prompt_embeds.shape[0], prompt_embeds.device)
+        for chunk in self.chunks:
+            span = ChunkSpan(chunk.chunk_index, chunk.start, chunk.end)
+            self.forward(span, chunk.context, timestep, cache_tag=cache_tag, store_kv=True)
+
+    # ------------------------------------------------------------------ cache edits
+    def truncate(self, frame: int) -> None:
+        """Forget every frame from ``frame`` on: the caches of the session's tags and the chunks of its history."""
+        for engine in self.transformer.kv_cache_engines.values():
+            for tag in self.cache_tags:
+                engine.truncate(tag, frame)
+        self.chunks = [chunk for chunk in self.chunks if chunk.end <= frame]
+        self.num_latent_frames = self.chunks[-1].end if self.chunks else 0
+        self.num_chunks = len(self.chunks)
+
+    def fork(self, branch: str) -> RolloutSession:
+        """A copy of this session on ``branch``: its caches copied under the new branch's tags (the static engine
+        clones its buffers, the vanilla engine shares the stored tensors until a branch writes), the history and the
+        conditioner shared (neither is written in place)."""
+        forked = RolloutSession.__new__(RolloutSession)
+        forked.__dict__.update(self.__dict__)
+        forked.branch = branch
+        forked.cache_tags = branch_cache_tags(branch)[: len(self.cache_tags)]
+        forked.chunks = list(self.chunks)
+        for engine in self.transformer.kv_cache_engines.values():
+            for source_tag, target_tag in zip(self.cache_tags, forked.cache_tags):
+                if engine.tag_state(source_tag) is not None:
+                    engine.copy_tag(source_tag, target_tag)
+        return forked
+
+    def discard(self) -> None:
+        """Free the caches of the session's branch (both tags)."""
+        discard_branch(self.transformer, self.branch)
