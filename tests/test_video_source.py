@@ -167,6 +167,18 @@ def test_bad_video_arguments_are_refused(video, kwargs, message):
         VideoChunker(video, **{"chunk_latent_frames": 3, **kwargs})
 
 
+def test_reading_the_first_chunk_ahead_checks_it_and_keeps_its_frames():
+    frames = _uint8_frames(21)
+    chunker = VideoChunker(iter(frames), chunk_latent_frames=3)
+    chunker.read_first_chunk()
+    assert (chunker.height, chunker.width) == (16, 32)
+    assert all(torch.equal(a, b) for a, b in zip(chunker, _chunks(frames, chunk_latent_frames=3)))
+    with pytest.raises(ValueError, match="`video` ended after 5 frames"):
+        VideoChunker(iter(frames[:5]), chunk_latent_frames=3).read_first_chunk()
+    with pytest.raises(ValueError, match="frame 2 of `video` is a 'RGBA'"):
+        VideoChunker(iter(frames[:2] + [_rgba(frames[2])]), chunk_latent_frames=3).read_first_chunk()
+
+
 def test_a_chunker_is_read_once():
     chunker = VideoChunker(_uint8_frames(9), chunk_latent_frames=3)
     list(chunker)

@@ -164,6 +164,7 @@ class VideoChunker:
         self._next_index = 0
         self._num_frames = len(video) if self._is_sequence else None
         self._started = False
+        self._first_chunk: list[Frame] | None = None  # read ahead by `read_first_chunk`
         if self._is_sequence:
             for index, frame in enumerate(video):
                 self._check(frame, index)
@@ -242,6 +243,15 @@ class VideoChunker:
                 break
         return frames
 
+    def read_first_chunk(self) -> None:
+        """Read and check the frames of the first chunk now (waiting for an iterator's frames), so that a bad or too
+        short video is refused before any model work; the frame size is known afterwards. Iterating the chunker then
+        starts with these frames. A list was checked whole already."""
+        if self._first_chunk is not None or self._started:
+            return
+        self._first_chunk = self._read(self.chunk_num_frames(0))
+        self._check_enough_frames(len(self._first_chunk))
+
     def __iter__(self) -> Iterator[torch.Tensor]:
         """Yield ``(1, 3, f, H, W)`` float32 pixel chunks in [-1, 1], ``f`` from [`chunk_num_frames`]."""
         if self._started:
@@ -250,7 +260,10 @@ class VideoChunker:
         chunk_index = 0
         while True:
             count = self.chunk_num_frames(chunk_index)
-            frames = self._read(count)
+            if chunk_index == 0 and self._first_chunk is not None:
+                frames, self._first_chunk = self._first_chunk, None
+            else:
+                frames = self._read(count)
             if len(frames) < count:
                 if chunk_index == 0:
                     self._check_enough_frames(len(frames))
