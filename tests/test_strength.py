@@ -122,6 +122,9 @@ def test_motion_aware_strength_lowers_strength_on_fast_motion():
     assert half.observe(_moving(4, 0.0, seed=1)) < 0.8
     half.reset()
     assert half.strength == 0.7 and half.motion == 0.0
+    controller_schedule = StrengthSchedule(controller)
+    controller_schedule.reset()  # a new video
+    assert controller.strength == 0.7 and controller.motion == 0.0
 
 
 @pytest.mark.parametrize(

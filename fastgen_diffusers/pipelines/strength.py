@@ -178,6 +178,11 @@ class StrengthSchedule:
         elif not callable(strength):
             _check_value(strength)
 
+    def reset(self) -> None:
+        """Start a new video (a motion-aware controller forgets the previous video's frames and strength)."""
+        if isinstance(self.strength, MotionAwareStrength):
+            self.strength.reset()
+
     @property
     def needs_frames(self) -> bool:
         """Whether [`at`] reads the chunk's pixel frames (a motion-aware controller)."""

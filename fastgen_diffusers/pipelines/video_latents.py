@@ -92,6 +92,7 @@ class VideoToVideoSource:
     def __iter__(self) -> Iterator[VideoChunk]:
         """Read, encode and set the strength of each chunk in turn (see [`VideoChunk`])."""
         self.encoder.reset()
+        self.strength.reset()
         start = 0
         try:
             for index, pixels in enumerate(self.chunker):
