@@ -118,6 +118,18 @@ def test_video_ending_inside_a_chunk_gives_the_chunks_it_completes(pipe, monkeyp
     assert len(warnings) == 1 and "dropped the last 7 frames" in warnings[0]
 
 
+def test_bad_frame_mid_stream_stops_before_its_chunk_and_frees_the_caches(pipe):
+    frames = _frames()
+    bad = frames[:15] + [PIL.Image.fromarray(frames[15]).convert("RGBA")] + frames[16:]
+    stream = pipe.stream(**CALL, video=iter(bad), strength=0.5, generator=torch.Generator().manual_seed(0))
+    first = next(stream)
+    with pytest.raises(ValueError, match="frame 15 of `video` is a 'RGBA' PIL image"):
+        next(stream)
+    assert all(engine.tag_state("pos") is None for engine in pipe.transformer.kv_cache_engines.values())
+    called = pipe(**CALL, video=frames, strength=0.5, generator=torch.Generator().manual_seed(0)).frames
+    assert np.array_equal(first.frames, called[:, :9])
+
+
 def _rgba(frames):
     frames[0] = PIL.Image.fromarray(frames[0]).convert("RGBA")
     return frames

@@ -153,7 +153,7 @@ def test_bad_frame_late_in_a_stream_stops_before_its_chunk():
         (PIL.Image.new("RGB", (16, 16)), {}, "got a single Image"),
         (np.zeros((16, 16, 3), np.uint8), {}, "got a single ndarray of shape \\(16, 16, 3\\)"),
         (torch.zeros(3, 16, 16), {}, "got a single Tensor"),
-        ("clip.mp4", {}, "got a single str"),
+        ("clip.mp4", {}, "`video` must be frames, not a path \\('clip.mp4'\\)"),
         (42, {}, "list or an iterator of frames, got int"),
         ([np.zeros((12, 16, 3), np.uint8)] * 9, {}, "12x16 \\(HxW\\); height and width must be multiples of 16"),
         ([np.zeros((16, 16, 3), np.uint8)] * 9, {"height": 32, "width": 32}, "is 16x16 \\(HxW\\); the video is 32x32"),

@@ -142,9 +142,12 @@ class VideoChunker:
         for name, value in (("height", height), ("width", width)):
             if value is not None and (not isinstance(value, int) or value <= 0 or value % size_multiple):
                 raise ValueError(f"`{name}` must be a positive multiple of {size_multiple}, got {value!r}.")
-        if isinstance(video, (PIL.Image.Image, str, bytes)) or (
-            isinstance(video, (np.ndarray, torch.Tensor)) and video.ndim != 4
-        ):
+        if isinstance(video, (str, bytes)):
+            raise ValueError(
+                f"`video` must be frames, not a path ({video!r}): load them first, e.g. with "
+                "`diffusers.utils.load_video`."
+            )
+        if isinstance(video, PIL.Image.Image) or (isinstance(video, (np.ndarray, torch.Tensor)) and video.ndim != 4):
             shape = f" of shape {tuple(video.shape)}" if hasattr(video, "shape") else ""
             raise ValueError(
                 "`video` must be a list or an iterator of frames (or a 4-D array of frames), got a single "
