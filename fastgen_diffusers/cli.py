@@ -147,11 +147,9 @@ def run_generate(args: argparse.Namespace) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if args.stream:
-        def on_first_frames(count: int, seconds: float) -> None:
-            print(f"First {count} frames after {seconds:.2f} s.")
-
+        first_frames = lambda count, seconds: print(f"First {count} frames after {seconds:.2f} s.")  # noqa: E731
         written, first, elapsed = stream_to_video(
-            pipe, str(args.output), fps=args.fps, on_first_frames=on_first_frames, **call_kwargs
+            pipe, str(args.output), fps=args.fps, on_first_frames=first_frames, **call_kwargs
         )
         print(f"Streamed {written} frames; the first after {first:.2f} s.")
     else:

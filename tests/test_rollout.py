@@ -196,25 +196,61 @@ def test_a_200_chunk_windowed_stream_keeps_memory_flat():
     pipe = tiny_pipeline(num_layers=1)
     pipe.set_progress_bar_config(disable=True)
     num_chunks = 200
-    options = RolloutOptions(
+    call = dict(
         prompt_embeds=torch.randn(1, 8, 32, generator=_seed(0)),
         height=64,
-        width=64,  # 8x8 latents: a leaked chunk (latents + cache input) would hold 24 KiB
+        width=64,  # 8x8 latents: a chunk kept by mistake (latents + cache input) would hold 24 KiB
         num_frames=4 * (3 * num_chunks) - 3,
         num_inference_steps=1,
         attention_window=6,
         sink_frames=3,
         output_type="latent",
-        generator=_seed(0),
     )
-    run = pipe.prepare_rollout(options)
-    held, cache_bytes, rss = [], [], []
+    rss = {}
+    for chunk in pipe.stream(**call, generator=_seed(0)):
+        if chunk.chunk_index in (49, num_chunks - 1):
+            rss[chunk.chunk_index] = _rss_bytes()
+    growth = rss[num_chunks - 1] - rss[49]
+    assert growth < 2**20, f"RSS grew by {growth / 2**20:.2f} MiB over 150 chunks"
+
+    # The same rollout, looking into its session: it holds no chunk tensor, the cache stops growing.
+    run = pipe.prepare_rollout(RolloutOptions(**call, generator=_seed(0)))
+    held, cache_bytes, indices = [], [], []
     for chunk in run.chunks():
+        indices.append(chunk.chunk_index)
         held.append(sum(t.numel() * t.element_size() for t in run.session.held_tensors()))
         cache_bytes.append(pipe.transformer.kv_cache_bytes())
-        if chunk.chunk_index in (49, num_chunks - 1):
-            rss.append(_rss_bytes())
-    assert chunk.chunk_index == num_chunks - 1
-    assert max(held) == 0 and run.session.chunks == []  # nothing of a finished chunk stays in the session
-    assert len(set(cache_bytes[2:-1])) == 1  # the window's cache stops growing once full
-    assert rss[1] - rss[0] < 2**20, f"RSS grew by {(rss[1] - rss[0]) / 2**20:.1f} MiB over 150 chunks"
+    assert indices == list(range(num_chunks))
+    assert max(held) == 0 and run.session.chunks == []
+    assert len(set(cache_bytes[2:-1])) == 1  # constant once the window is full (the last chunk stores nothing)
+
+
+# ------------------------------------------------------------------------------------------------ policies
+def test_call_stream_continue_and_redo_all_run_the_selected_policy():
+    from fastgen_diffusers.pipelines import SequentialPolicy, WanCausalPipeline
+    from fastgen_diffusers.testing import tiny_components
+
+    class RecordingPolicy(SequentialPolicy):
+        def __init__(self):
+            self.runs = []
+
+        def run(self, pipe, session, plan, source, **kwargs):
+            self.runs.append([span.index for span in plan.spans])
+            yield from super().run(pipe, session, plan, source, **kwargs)
+
+    policy = RecordingPolicy()
+
+    class Pipeline(WanCausalPipeline):
+        default_policy = policy
+
+    pipe = Pipeline(**tiny_components())
+    pipe.set_progress_bar_config(disable=True)
+    reference = tiny_pipeline()
+    reference.set_progress_bar_config(disable=True)
+    call = {**T2V, "num_inference_steps": 1}
+    assert torch.equal(pipe(**call, generator=_seed(0)).frames, reference(**call, generator=_seed(0)).frames)
+    list(pipe.stream(**call, keep_cache=True))
+    pipe.continue_rollout(4, output_type="latent")
+    pipe.redo_last_chunk(output_type="latent")
+    assert policy.runs == [[0, 1, 2], [0, 1, 2], [3], [3]]
+    pipe.discard_rollout()

@@ -280,7 +280,6 @@ class WanCausalPipeline(DiffusionPipeline, WanLoraLoaderMixin, LiveRolloutMixin)
                 "`prompt_embeds` instead."
             )
 
-        batch_size = self.batch_size_of(prompt, prompt_embeds)  # the prompt is valid now
         text_dim = self.transformer.config.text_dim
         for name, embeds in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
             if embeds is None:
