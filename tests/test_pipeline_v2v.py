@@ -90,6 +90,20 @@ def test_strength_schedule_per_chunk(pipe):
     assert not torch.allclose(latents[:, :, :3], _encoded(pipe, frames)[:, :, :3], atol=1e-2)
 
 
+def test_callbacks_see_the_kept_steps_and_can_interrupt(pipe):
+    seen = []
+
+    def callback(pipe, step, timestep, callback_kwargs):
+        seen.append((step, float(timestep), tuple(callback_kwargs["latents"].shape)))
+        pipe._interrupt = step == 2
+        return {}
+
+    latents = _latents(pipe, _frames(), strength=0.5, callback_on_step_end=callback)
+    # strength 0.5 keeps the last 2 of 4 steps (833.3, 625) of each chunk; the interrupt ends after chunk 0
+    assert [(s, round(t, 1)) for s, t, _ in seen] == [(0, 833.3), (1, 625.0), (2, 833.3)]
+    assert seen[0][2] == (1, 16, 3, 4, 4) and latents.shape[2] == 3
+
+
 def test_stream_yields_each_chunk_before_reading_the_next_frames(pipe):
     frames = _frames()
     pulled = []

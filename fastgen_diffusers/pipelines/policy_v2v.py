@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..chunking import ChunkSpan
-from .policy import RolloutPolicy, SequentialPolicy
+from .policy import SequentialPolicy
 from .records import ChunkRecord
 from .video_latents import VideoToVideoSource
 
@@ -50,8 +50,9 @@ class VideoChunkPlan:
         return self.schedule
 
 
-class VideoToVideoPolicy(RolloutPolicy):
-    """Each chunk of the input video is noised to its strength and denoised from the matching step, then cached."""
+class VideoToVideoPolicy(SequentialPolicy):
+    """Sequential chunks taken from the input video as it arrives: each is noised to its strength, denoised from the
+    matching step, then cached."""
 
     def run(
         self,
@@ -95,7 +96,7 @@ class VideoToVideoPolicy(RolloutPolicy):
                     latents = scheduler.step(flow.float(), t, latents, generator=generator, return_dict=False)[0]
                     latents = conditioner.after_step(span, latents)
                     if callback_on_step_end is not None:
-                        latents = SequentialPolicy._callback(
+                        latents = self._callback(
                             pipe, session, step, t, latents, callback_on_step_end, callback_on_step_end_tensor_inputs
                         )
                     step += 1
