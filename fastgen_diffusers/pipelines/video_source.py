@@ -135,7 +135,7 @@ class VideoChunker:
             ("chunk_latent_frames", chunk_latent_frames),
             ("first_chunk_latent_frames", first_chunk_latent_frames),
         ):
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive number of latent frames, got {value!r}.")
         if (height is None) != (width is None):
             raise ValueError(f"Pass both `height` and `width` or neither, got height={height}, width={width}.")
