@@ -6,11 +6,12 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
+from diffusers import AutoencoderKLWan
 
 from fastgen_diffusers import MotionAwareStrength, WanCausalPipeline, WanCausalVideoToVideoPipeline
 from fastgen_diffusers.pipelines import VideoToVideoOptions, video_source
 from fastgen_diffusers.pipelines.streaming_encode import normalize_latents
-from fastgen_diffusers.testing import tiny_components
+from fastgen_diffusers.testing import tiny_components, tiny_transformer
 
 SIZE = 32
 CALL = {"prompt": "a cat", "num_inference_steps": 4}
@@ -81,6 +82,31 @@ def test_strength_one_is_text_to_video_with_that_noise(pipe, components, kwargs)
     ).frames
     restyled = pipe(video=_frames(), strength=1.0, latents=noise, generator=torch.Generator().manual_seed(2), **call)
     assert torch.equal(restyled.frames, reference)
+
+
+def test_wan22_patchified_vae_strength_zero_and_one():
+    """A Wan2.2-style VAE (z_dim 48, patch 2, 16x spatial): strength 0 gives its encoding, strength 1 text-to-video."""
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
+        latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
+    ).eval()  # fmt: skip
+    components = {**tiny_components(), "vae": vae, "transformer": tiny_transformer(in_channels=48, out_channels=48)}
+    pipe = WanCausalVideoToVideoPipeline(**components)
+    pipe.set_progress_bar_config(disable=True)
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(21)]
+    assert torch.equal(_latents(pipe, iter(frames), strength=0.0), _encoded(pipe, frames))
+    t2v = WanCausalPipeline(**components)
+    t2v.set_progress_bar_config(disable=True)
+    noise = torch.randn(1, 48, 6, 4, 4, generator=torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(0)  # the seed of `_latents`: the same re-noising draws
+    reference = t2v(
+        **CALL, num_frames=21, height=64, width=64, latents=noise, generator=generator, output_type="latent"
+    )
+    reference = reference.frames
+    assert torch.equal(_latents(pipe, iter(frames), strength=1.0, latents=noise), reference)
 
 
 def test_strength_schedule_per_chunk(pipe):
