@@ -16,12 +16,18 @@ from .pipeline_wan_causal import (
     wan_transformer_from_causal,
 )
 from .pipeline_wan_i2v_causal import I2V_LAYOUTS, WanCausalImageToVideoPipeline, detect_i2v_layout
+from .pipeline_wan_v2v_causal import VideoToVideoOptions, WanCausalVideoToVideoPipeline
 from .pipeline_wan_vace_causal import WanCausalVACEPipeline, causal_transformer_from_wan_vace
 from .policy import RolloutPolicy, SequentialPolicy
+from .policy_v2v import VideoChunkPlan, VideoToVideoPolicy
 from .records import ChunkOutput, ChunkRecord
 from .rollout import CausalRolloutMixin, RolloutRun
 from .session import RolloutSession
 from .sources import NoiseSource
+from .streaming_encode import StreamingWanEncoder
+from .strength import MotionAwareStrength, StrengthSchedule
+from .video_latents import VideoToVideoSource
+from .video_source import VideoChunker
 
 __all__ = [
     "CausalRolloutMixin",
@@ -34,17 +40,26 @@ __all__ = [
     "ImageConcatConditioner",
     "ImageToVideoOptions",
     "LiveRolloutMixin",
+    "MotionAwareStrength",
     "NoiseSource",
     "RolloutOptions",
     "RolloutPolicy",
     "RolloutRun",
     "RolloutSession",
     "SequentialPolicy",
+    "StreamingWanEncoder",
+    "StrengthSchedule",
     "VACEConditioner",
     "VACEOptions",
+    "VideoChunkPlan",
+    "VideoChunker",
+    "VideoToVideoOptions",
+    "VideoToVideoPolicy",
+    "VideoToVideoSource",
     "WanCausalImageToVideoPipeline",
     "WanCausalPipeline",
     "WanCausalVACEPipeline",
+    "WanCausalVideoToVideoPipeline",
     "causal_scheduler_from_config",
     "causal_transformer_from_wan",
     "causal_transformer_from_wan_vace",
