@@ -17,16 +17,21 @@ for each chunk [start, end) of the plan:
     transformer(x0 re-noised to context_noise, context_noise, text, start_frame=start, store_kv=True)  # each tag
     yield ChunkRecord(chunk_index, start, end, x0)
 ```
+
+The loop is [`SequentialPolicy.run_chunks`]; ``run`` gives it the plan's chunks, each starting from its noise at step
+0. A subclass gives it other chunks and starting latents: [`VideoToVideoPolicy`] (``policy_v2v.py``) the chunks of the
+input video as they arrive, each starting from its strength's step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
-from ..chunking import ChunkPlan
+from ..chunking import ChunkPlan, ChunkSpan
 from .records import ChunkRecord
 from .session import RolloutSession
 from .sources import NoiseSource
@@ -68,44 +73,76 @@ class RolloutPolicy:
 
 
 class SequentialPolicy(RolloutPolicy):
-    """Today's causal rollout: each chunk is denoised on its own schedule, then written into the cache."""
+    """Today's causal rollout: each chunk is denoised on its own schedule, then written into the cache.
 
-    def run(
-        self,
-        pipe,
-        session,
-        plan,
-        source,
-        *,
-        generator=None,
-        callback_on_step_end=None,
-        callback_on_step_end_tensor_inputs=("latents",),
-        store_last=False,
-        prompt_switches=None,
-        recache=False,
-    ):
-        scheduler = pipe.scheduler
-        prompt_switches = prompt_switches or {}
+    [`run`] hands the plan's chunks to [`run_chunks`], the chunk loop; a subclass whose chunks are not known up front
+    (video-to-video) hands it its own chunks and starting latents, and the loop stays one.
+    """
+
+    def run(self, pipe, session, plan, source, **options):
         conditioner = session.conditioner
-        pipe._num_timesteps = sum(
+        num_timesteps = sum(
             len(schedule["sigmas"]) for span, schedule in plan if conditioner.given_latents(span) is None
         )
         last_index = plan.spans[-1].index
+        chunks = (
+            (span, span.index == last_index, partial(self._noise_start, pipe.scheduler, source, span, schedule))
+            for span, schedule in plan
+        )
+        yield from self.run_chunks(pipe, session, chunks, num_timesteps, **options)
+
+    @staticmethod
+    def _noise_start(scheduler, source, span, schedule) -> tuple[torch.Tensor, int]:
+        """Set ``schedule`` on the scheduler; ``span`` starts from its noise, at step 0."""
+        latents = source.latents(span)
+        scheduler.set_timesteps(**schedule, device=latents.device)
+        return latents, 0
+
+    def run_chunks(
+        self,
+        pipe: Any,
+        session: RolloutSession,
+        chunks: Iterable[tuple[ChunkSpan, bool, Callable[[], tuple[torch.Tensor, int]]]],
+        num_timesteps: int | None,
+        *,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        callback_on_step_end: Callable[..., dict[str, torch.Tensor]] | None = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        store_last: bool = False,
+        prompt_switches: Mapping[int, torch.Tensor] | None = None,
+        recache: bool = False,
+    ) -> Iterator[ChunkRecord]:
+        """The chunk loop of [`run`] (the module docstring's pseudocode) on ``chunks``, read one at a time.
+
+        Args:
+            chunks: ``(span, is_last, start)`` of each chunk; ``start()`` (called only for a chunk the conditioner
+                does not give) sets the chunk's schedule on ``pipe.scheduler`` and returns its starting latents and
+                the index of its first step: the chunk runs ``scheduler.timesteps[begin_index:]``.
+            num_timesteps: the denoising steps of all the chunks, or ``None`` when unknown (an open-ended rollout:
+                ``pipe._num_timesteps`` and the progress bar's total then grow by each chunk's steps as it starts).
+            The other arguments are [`RolloutPolicy.run`]'s.
+        """
+        scheduler = pipe.scheduler
+        prompt_switches = prompt_switches or {}
+        conditioner = session.conditioner
+        pipe._num_timesteps = 0 if num_timesteps is None else num_timesteps
         with pipe.progress_bar(total=pipe._num_timesteps) as progress_bar:
             step = 0
-            for span, schedule in plan:
+            for span, is_last, start in chunks:
                 if pipe.interrupt:
                     return
                 if span.index in prompt_switches:
                     session.switch_prompt(prompt_switches[span.index], recache=recache)
                 clean = conditioner.given_latents(span)
                 if clean is None:
-                    latents = source.latents(span)
-                    device = latents.device
+                    latents, begin_index = start()
+                    timesteps = scheduler.timesteps[begin_index:]
+                    if num_timesteps is None:
+                        pipe._num_timesteps += len(timesteps)
+                        progress_bar.total += len(timesteps)
+                    scheduler.set_begin_index(begin_index)
                     batch_size = latents.shape[0]
-                    scheduler.set_timesteps(**schedule, device=device)
-                    scheduler.set_begin_index(0)
-                    for chunk_step, t in enumerate(scheduler.timesteps):
+                    for chunk_step, t in enumerate(timesteps):
                         if pipe.interrupt:
                             return
                         pipe._current_timestep = t
@@ -127,9 +164,9 @@ class SequentialPolicy(RolloutPolicy):
                     clean = latents
                 pipe._current_timestep = None
                 context = None
-                if store_last or span.index < last_index:
+                if store_last or not is_last:
                     context = session.store(span, clean, generator)
-                yield ChunkRecord(span.index, span.start, span.end, clean, span.index == last_index, context)
+                yield ChunkRecord(span.index, span.start, span.end, clean, is_last, context)
 
     @staticmethod
     def _callback(pipe, session, step, t, latents, callback, tensor_inputs) -> torch.Tensor:

@@ -13,6 +13,9 @@ for each input chunk [start, end) (read, encoded, strength s_k picked, when its 
     yield ChunkRecord(chunk_index, start, end, x)
 ```
 
+The loop is [`SequentialPolicy.run_chunks`]: the policy only gives it the chunks as they arrive and, through the
+source, each chunk's starting latents and first step.
+
 At strength 1 every chunk runs the whole schedule from its noise, exactly like [`SequentialPolicy`]; the one
 difference is that the cache pass of the last chunk of a live video runs too (the policy cannot know a chunk is the
 last before the video ends), which changes no output.
@@ -22,11 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
+
+import torch
 
 from ..chunking import ChunkSpan
 from .policy import SequentialPolicy
-from .records import ChunkRecord
 from .video_latents import VideoToVideoSource
 
 
@@ -54,55 +59,19 @@ class VideoToVideoPolicy(SequentialPolicy):
     """Sequential chunks taken from the input video as it arrives: each is noised to its strength, denoised from the
     matching step, then cached."""
 
-    def run(
-        self,
-        pipe,
-        session,
-        plan: VideoChunkPlan,
-        source: VideoToVideoSource,
-        *,
-        generator=None,
-        callback_on_step_end=None,
-        callback_on_step_end_tensor_inputs=("latents",),
-        store_last=False,
-        prompt_switches=None,
-        recache=False,
-    ):
-        scheduler = pipe.scheduler
-        prompt_switches = prompt_switches or {}
-        conditioner = session.conditioner
-        pipe._num_timesteps = 0  # grows chunk by chunk: a live video's length is unknown
-        with pipe.progress_bar(total=0) as progress_bar:
-            step = 0
+    def run(self, pipe, session, plan: VideoChunkPlan, source: VideoToVideoSource, **options):
+        def chunks():
             for chunk in source:
-                if pipe.interrupt:
-                    return
                 span = ChunkSpan(chunk.index, chunk.start, chunk.end)
                 is_last = plan.num_chunks is not None and span.index == plan.num_chunks - 1
-                if span.index in prompt_switches:
-                    session.switch_prompt(prompt_switches[span.index], recache=recache)
-                scheduler.set_timesteps(**plan.schedule_of(span.index), device=source.device)
-                latents, begin_index = source.start(chunk, scheduler.sigmas, scheduler.order)
-                timesteps = scheduler.timesteps[begin_index:]
-                pipe._num_timesteps += len(timesteps)
-                progress_bar.total += len(timesteps)
-                scheduler.set_begin_index(begin_index)
-                batch_size = latents.shape[0]
-                for chunk_step, t in enumerate(timesteps):
-                    if pipe.interrupt:
-                        return
-                    pipe._current_timestep = t
-                    flow = session.guided_flow(span, latents, t.expand(batch_size), chunk_step)
-                    latents = scheduler.step(flow.float(), t, latents, generator=generator, return_dict=False)[0]
-                    latents = conditioner.after_step(span, latents)
-                    if callback_on_step_end is not None:
-                        latents = self._callback(
-                            pipe, session, step, t, latents, callback_on_step_end, callback_on_step_end_tensor_inputs
-                        )
-                    step += 1
-                    progress_bar.update()
-                pipe._current_timestep = None
-                context = None
-                if store_last or not is_last:
-                    context = session.store(span, latents, generator)
-                yield ChunkRecord(span.index, span.start, span.end, latents, is_last, context)
+                yield span, is_last, partial(self._video_start, pipe.scheduler, source, chunk, plan)
+
+        # the steps grow chunk by chunk: a live video's length is unknown
+        yield from self.run_chunks(pipe, session, chunks(), None, **options)
+
+    @staticmethod
+    def _video_start(scheduler, source, chunk, plan) -> tuple[torch.Tensor, int]:
+        """Set ``chunk``'s schedule on the scheduler; the chunk starts from its input noised to its strength, at the
+        matching step."""
+        scheduler.set_timesteps(**plan.schedule_of(chunk.index), device=source.device)
+        return source.start(chunk, scheduler.sigmas, scheduler.order)
