@@ -16,6 +16,7 @@ from . import __version__
 from .cli_checks import UsageError, check_generate_arguments, read_media
 from .cli_convert import add_convert_subparser
 from .cli_i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
+from .cli_v2v import add_input_video_arguments, input_video_kwargs, load_v2v_pipeline, strength_argument, wants_v2v
 
 DTYPES = ("bfloat16", "float16", "float32")
 CONTEXT_PARALLEL_MODES = ("ulysses",)  # fastgen_diffusers.parallel.CONTEXT_PARALLEL_MODES (a test keeps them equal)
@@ -79,6 +80,7 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     vace.add_argument("--control-video", type=Path, help="control video (mp4/gif) at the output size")
     vace.add_argument("--mask", type=Path, help="mask video for --control-video (white = generate)")
     vace.add_argument("--reference-image", type=Path, action="append", help="reference image (repeatable)")
+    add_input_video_arguments(parser)
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     parser.set_defaults(func=run_generate)
 
@@ -88,7 +90,8 @@ def _wants_vace(args: argparse.Namespace) -> bool:
 
 
 def _load_pipeline(args: argparse.Namespace, dtype):
-    """The pipeline the flags ask for (T2V, image-to-video or VACE), from ``--model`` or the tiny random model."""
+    """The pipeline the flags ask for (T2V, image-to-video, VACE or video-to-video), from ``--model`` or the tiny
+    random model."""
     from . import testing
     from .pipelines import WanCausalPipeline, WanCausalVACEPipeline
 
@@ -98,6 +101,8 @@ def _load_pipeline(args: argparse.Namespace, dtype):
         )
     if wants_i2v(args):
         return load_i2v_pipeline(args, dtype)
+    if wants_v2v(args):
+        return load_v2v_pipeline(args, dtype)
     if _wants_vace(args):
         if args.model is None:
             return testing.tiny_vace_pipeline()
@@ -148,7 +153,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Check the arguments, read the input media, load (or build) the pipeline, generate, write the video and report
     where, how many frames and how long."""
     check_generate_arguments(args)  # before anything heavy loads
-    inputs = {**conditioning_kwargs(args), **_vace_kwargs(args)}
+    inputs = {**conditioning_kwargs(args), **_vace_kwargs(args), **input_video_kwargs(args)}
 
     import torch
     from diffusers.utils import export_to_video
@@ -179,6 +184,9 @@ def run_generate(args: argparse.Namespace) -> int:
         "generator": torch.Generator(device="cpu").manual_seed(args.seed),
         **inputs,
     }
+    if wants_v2v(args):  # the output length is the input video's (its whole chunks)
+        del call_kwargs["num_frames"]
+        call_kwargs["strength"] = strength_argument(args)
     if args.attention_window is not None:
         call_kwargs.update(attention_window=args.attention_window, sink_frames=args.sink_frames or 0)
 

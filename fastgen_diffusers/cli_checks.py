@@ -36,10 +36,14 @@ def flag(name: str) -> str:
 
 def check_generate_arguments(args: argparse.Namespace) -> None:
     """Raise :class:`UsageError` for anything wrong on the ``generate`` command line that needs no model; fills in the
-    size defaults (``height``, ``width``, ``num_frames``: the tiny model's without ``--model``)."""
+    size defaults (``height``, ``width``, ``num_frames``: the tiny model's without ``--model``; with ``--input-video``
+    they stay unset unless given, and come from the video when it is read) and ``--strength``'s."""
+    from .cli_v2v import check_input_video_arguments, wants_v2v
+
+    check_input_video_arguments(args)  # with --input-video the size and frame count are the video's by default
     defaults = TINY_DEFAULTS if args.model is None else REAL_DEFAULTS
     for name, default in defaults.items():
-        if getattr(args, name) is None:
+        if getattr(args, name) is None and not wants_v2v(args):
             setattr(args, name, default)
     check_numbers(args)
     check_input_files(args)
@@ -60,12 +64,13 @@ def _at_least(args: argparse.Namespace, name: str, minimum: int) -> None:
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Frame count 4k+1, size a positive multiple of 16, positive steps and fps, a finite guidance >= 1, a seed torch
-    takes, a positive window with a sink inside it (``0`` is refused, never read as "the default")."""
-    if args.num_frames < 1 or (args.num_frames - 1) % TEMPORAL_FACTOR:
+    takes, a positive window with a sink inside it (``0`` is refused, never read as "the default"). ``None`` frame
+    count or size (``--input-video`` without them) is left to the video."""
+    if args.num_frames is not None and (args.num_frames < 1 or (args.num_frames - 1) % TEMPORAL_FACTOR):
         raise UsageError(f"--num-frames must be 4k+1 (1, 5, 9, ..., 81: whole latent frames), got {args.num_frames}.")
     for name in ("height", "width"):
         value = getattr(args, name)
-        if value < SIZE_MULTIPLE or value % SIZE_MULTIPLE:
+        if value is not None and (value < SIZE_MULTIPLE or value % SIZE_MULTIPLE):
             raise UsageError(f"{flag(name)} must be a positive multiple of {SIZE_MULTIPLE}, got {value}.")
     _at_least(args, "steps", 1)
     _at_least(args, "fps", 1)

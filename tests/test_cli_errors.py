@@ -94,6 +94,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     write_video(folder / "clip9.gif", 9)
     write_video(folder / "control5.gif", 5)
     write_video(folder / "control9_48.gif", 9, size=(48, 32))
+    write_video(folder / "input9_50x30.gif", 9, size=(50, 30))
+    (folder / "notes.mp4").write_text("not a video")
     return {path.name: str(path) for path in folder.iterdir()}
 
 
@@ -149,13 +151,35 @@ CASES = {
     "device meta": (["--device", "meta"], 2, "--device meta: holds no data"),
     "context parallel without torchrun": (["--context-parallel", "ulysses"], 2, "launch with `torchrun"),
     "context parallel mode": (["--context-parallel", "ring"], 2, "invalid choice: 'ring'"),
+    "strength without input video": (["--strength", "0.5"], 2, "--strength needs --input-video"),
+    "strength 0 without input video": (["--strength", "0"], 2, "--strength needs --input-video"),
+    "motion-aware without input video": (["--motion-aware"], 2, "--motion-aware needs --input-video"),
+    "missing input video": (["--input-video", "nope.mp4"], 2, "--input-video nope.mp4: no such file"),
+    "input video is a folder": (["--input-video", "{empty_model}"], 2, "no such file"),
+    "input video does not decode": (["--input-video", "{notes.mp4}"], 2, "cannot be read as a video"),
+    "strength above 1": (["--input-video", "{clip9.gif}", "--strength", "1.5"], 2, "--strength must be in [0, 1]"),
+    "strength negative": (["--input-video", "{clip9.gif}", "--strength", "-0.1"], 2, "got -0.1"),
+    "strength nan": (["--input-video", "{clip9.gif}", "--strength", "nan"], 2, "--strength must be in [0, 1]"),
+    "strength not a number": (["--input-video", "{clip9.gif}", "--strength", "high"], 2, "invalid float value"),
+    "input video and image": (["--input-video", "{clip9.gif}", "--image", "{frame.png}"], 2, "with --image"),
+    "input video and video": (["--input-video", "{clip9.gif}", "--video", "{clip9.gif}"], 2, "with --video"),
+    "input video and control": (["--input-video", "{clip9.gif}", "--control-video", "{control5.gif}"], 2, "with"),
+    "input video shorter than a chunk": (["--input-video", "{clip4.gif}"], 2, "has 4 frames; the student's first"),
+    "input video under num frames": (["--input-video", "{clip9.gif}", "--num-frames", "13"], 2, "fewer than"),
+    "input video bad num frames": (["--input-video", "{clip9.gif}", "--num-frames", "8"], 2, "must be 4k+1"),
+    # Without --height/--width (NO_SIZE): the output is the video's size, which must be a multiple of 16.
+    "input video size not a multiple of 16": (["--input-video", "{input9_50x30.gif}"], 2, "frames are 50x30, not"),
+    "input video with height only": (["--input-video", "{clip9.gif}", "--height", "32"], 2, "both --height and"),
 }
+NO_SIZE = ("input video size not a multiple of 16", "input video with height only")
 
 
 def argv_of(case: str, inputs: dict[str, str]) -> list[str]:
     extra = list(CASES[case][0])
     for name, path in inputs.items():
         extra = [arg.replace(f"{{{name}}}", path) for arg in extra]
+    if case in NO_SIZE:
+        return ["generate", "--prompt", "a fox", *extra]
     return ["generate", *extra] if case == "missing prompt" else [*GEN, *extra]
 
 
@@ -164,6 +188,7 @@ def table_results(inputs, tmp_path_factory) -> dict[str, list]:
     tmp_path = tmp_path_factory.mktemp("table")
     table = {case: argv_of(case, inputs) for case in CASES}
     table["control: a valid command line reaches the model"] = [*GEN, "--num-frames", "5"]
+    table["control: a valid --input-video reaches the model"] = [*GEN, "--input-video", inputs["clip9.gif"]]
     start = time.perf_counter()
     completed = subprocess.run(
         [sys.executable, "-c", BLOCKED_TABLE],
@@ -189,9 +214,10 @@ def test_bad_command_line_is_one_line_before_any_model_loads(case, table_results
     assert lines[0].startswith("fastgen-diffusers generate: error: ") and fragment in lines[0], lines[0]
 
 
-def test_the_model_modules_are_really_blocked(table_results):
-    """The control case: a valid command line gets past every check and fails on the blocked import."""
-    status, stderr, _ = table_results["control: a valid command line reaches the model"]
+@pytest.mark.parametrize("control", ["a valid command line", "a valid --input-video"])
+def test_the_model_modules_are_really_blocked(table_results, control):
+    """The control cases: a valid command line gets past every check and fails on the blocked import."""
+    status, stderr, _ = table_results[f"control: {control} reaches the model"]
     assert status == "raised" and "Traceback" in stderr
     assert any(f"No module named '{module}" in stderr for module in MODEL_MODULES), stderr
 
@@ -202,6 +228,7 @@ def test_the_model_modules_are_really_blocked(table_results):
         (["--num-frames", "8"], "--num-frames must be 4k+1"),
         (["--output", "video.txt"], "extension '.txt'"),
         (["--model", "some-org/some-student"], "hf download some-org/some-student"),
+        (["--strength", "0.5"], "--strength needs --input-video"),
     ],
 )
 def test_console_entry_prints_one_line_and_exits_non_zero(args, fragment, tmp_path):
