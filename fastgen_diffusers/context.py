@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ class CausalContext:
         block_masks: the memo the masks of multi-chunk calls come from (the model's, kept across forwards).
         committed: set once the forward's cache writes are committed; a gradient-checkpointing recompute of its
             blocks then writes nothing again.
+        attention_bias: Krea's KV-cache attention bias in ``(0, 1]``: a denoising forward (``store_kv=False``) adds
+            ``log(attention_bias)`` to the logits of the cached keys after the first frame (the anchor); 1: off.
     """
 
     cache_engines: Mapping[str, BaseKVCacheEngine]
@@ -45,6 +48,7 @@ class CausalContext:
     mask_backend: str = "sdpa"
     block_masks: BlockMaskMemo = field(default_factory=BlockMaskMemo)
     committed: bool = False
+    attention_bias: float = 1.0
 
     @property
     def is_multi_chunk(self) -> bool:
@@ -75,3 +79,23 @@ class CausalContext:
         return self.block_masks.get(
             self.mask_backend, engine.window, self.start_frame, self.chunk_layout, self.frame_seqlen, device
         )
+
+    def self_attention_bias(self, engine: BaseKVCacheEngine, device: torch.device) -> torch.Tensor | None:
+        """Additive float mask ``(1, 1, 1, P + L)`` over ``[cached frames 0 .. start_frame | this call]``: 0 on the
+        first cached frame (the anchor) and on the call's keys, ``log(attention_bias)`` on the other cached keys.
+
+        ``None`` (no mask at all) when the bias is 1, on a cache pass, or when no cached key is biased.
+        """
+        if self.attention_bias == 1.0 or self.store_kv:
+            return None
+        if engine.window.bounded or self.is_multi_chunk:
+            raise ValueError(
+                "`kv_cache_attention_bias` is defined on single-chunk forwards over an unwindowed cache (the "
+                "recompute policy's); this forward has a sliding window or several chunks."
+            )
+        prefix = self.start_frame * self.frame_seqlen
+        if prefix <= self.frame_seqlen:
+            return None
+        bias = torch.zeros(1, 1, 1, prefix + self.num_frames * self.frame_seqlen, device=device)
+        bias[..., self.frame_seqlen : prefix] = math.log(self.attention_bias)
+        return bias

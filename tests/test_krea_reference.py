@@ -10,8 +10,8 @@ latent frames, context 3 frames, denoising steps [1000, 750, 500, 250]) for thre
 * ``biased_nopad``: a free run with the padding removed (final latents only).
 
 A recompute pass is a cleared cache and a ``store_kv`` forward over the context frames at ``start_frame=0`` (clean,
-``t=0``); the chunk then denoises at ``start_frame=context_frames``. The attention bias has no engine support yet,
-so the biased calls are only checked for consistency here.
+``t=0``); the chunk then denoises at ``start_frame=context_frames``. The biased calls are only checked for
+consistency here; ``test_krea_recompute.py`` runs them (and the recompute policy) against our implementation.
 """
 
 from __future__ import annotations

@@ -366,6 +366,7 @@ class CausalWanMixin:
         conditioning: tuple[torch.Tensor | None, ...],
         text_len: int,
         image_len: int,
+        attention_bias: float = 1.0,
     ) -> CausalContext:
         """Size the entries of ``cache_tag`` and decide each engine's cross K/V mode (after :meth:`_check_call`)."""
         dtype = self._compute_dtype(device)
@@ -401,6 +402,7 @@ class CausalWanMixin:
             cross_modes=cross_modes,
             mask_backend=self._resolve_mask_backend(device),
             block_masks=self.block_masks,
+            attention_bias=attention_bias,
         )
 
     def _check_call(
@@ -475,6 +477,7 @@ class CausalWanMixin:
                 else static_call(ctx.cache_tag, ctx.start_frame, ctx.num_frames, first_chunk)
             )
             mask = None if static is not None else ctx.self_attention_mask(engine, device)
+            bias = ctx.self_attention_bias(engine, device)
             store = ctx.store_kv and not ctx.committed
             per_block = []
             for block_idx in range(engine.num_blocks):
@@ -486,12 +489,13 @@ class CausalWanMixin:
                         static=True,
                         write_index=static.write_index,
                         valid_length=static.valid_length,
+                        bias=bias,
                     )
                 else:
                     load_prefix = functools.partial(
                         engine.get_self_prefix, block_idx, ctx.cache_tag, ctx.start_frame, first_chunk
                     )
-                    self_attn = SelfAttentionInputs(mask=mask, store=store, load_prefix=load_prefix)
+                    self_attn = SelfAttentionInputs(mask=mask, store=store, load_prefix=load_prefix, bias=bias)
                 cross_attn = CrossAttentionInputs(mode, ctx.image_context_length)
                 if mode is CrossKVMode.READ:
                     entry = engine.get_cross_kv(block_idx, ctx.cache_tag)
@@ -575,6 +579,7 @@ class CausalWanMixin:
         cache_tag: str,
         store_kv: bool,
         return_dict: bool,
+        kv_cache_attention_bias: float = 1.0,
         **block_inputs: Any,
     ) -> torch.Tensor | Transformer2DModelOutput:
         """The forward of a causal model around its block loop; ``block_inputs`` go to ``_forward_blocks``.
@@ -591,6 +596,7 @@ class CausalWanMixin:
             start_frame=start_frame,
             cache_tag=cache_tag,
             store_kv=store_kv,
+            attention_bias=kv_cache_attention_bias,
         )
         try:
             output = self._compute_forward(
@@ -615,6 +621,7 @@ class CausalWanMixin:
         start_frame: int,
         cache_tag: str,
         store_kv: bool,
+        attention_bias: float = 1.0,
     ) -> ForwardCall:
         """Check the call, open the engines' transaction and decide everything per call (masks, slots, modes, RoPE)."""
         batch_size = hidden_states.shape[0]
@@ -651,6 +658,7 @@ class CausalWanMixin:
                 conditioning=conditioning,
                 text_len=encoder_hidden_states.shape[1],
                 image_len=image_len,
+                attention_bias=float(attention_bias),
             )
             attention_inputs = self._attention_inputs(ctx, device)
         except BaseException:
@@ -801,6 +809,7 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
         store_kv: bool = False,
         return_dict: bool = True,
         attention_kwargs: dict[str, Any] | None = None,
+        kv_cache_attention_bias: float = 1.0,
     ) -> torch.Tensor | Transformer2DModelOutput:
         """Flow prediction for the latent frames ``[start_frame, start_frame + F)`` given the cached prefix.
 
@@ -815,6 +824,9 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
                 fill the cross K/V if they are empty.
             return_dict: return a ``Transformer2DModelOutput`` instead of a tuple.
             attention_kwargs: only ``scale`` (LoRA scale) is read.
+            kv_cache_attention_bias: Krea's bias in ``[0.01, 1]``: on a denoising forward (``store_kv=False``) the
+                logits of the cached keys after the first cached frame (the anchor) get ``log(bias)`` added, as an
+                additive float mask; 1 (default): no mask at all.
 
         Returns:
             ``(B, C_out, F, H, W)`` flow prediction, like ``WanTransformer3DModel``.
@@ -828,4 +840,5 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
             cache_tag=cache_tag,
             store_kv=store_kv,
             return_dict=return_dict,
+            kv_cache_attention_bias=kv_cache_attention_bias,
         )

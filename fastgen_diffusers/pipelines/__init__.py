@@ -19,6 +19,7 @@ from .pipeline_wan_i2v_causal import I2V_LAYOUTS, WanCausalImageToVideoPipeline,
 from .pipeline_wan_v2v_causal import VideoToVideoOptions, WanCausalVideoToVideoPipeline
 from .pipeline_wan_vace_causal import WanCausalVACEPipeline, causal_transformer_from_wan_vace
 from .policy import RolloutPolicy, SequentialPolicy
+from .policy_recompute import RecomputePolicy
 from .policy_v2v import VideoChunkPlan, VideoToVideoPolicy
 from .records import ChunkOutput, ChunkRecord
 from .rollout import CausalRolloutMixin, RolloutRun
@@ -42,6 +43,7 @@ __all__ = [
     "LiveRolloutMixin",
     "MotionAwareStrength",
     "NoiseSource",
+    "RecomputePolicy",
     "RolloutOptions",
     "RolloutPolicy",
     "RolloutRun",

@@ -47,6 +47,9 @@ class RolloutOptions:
     sink_frames: int | None = None
     kv_cache_engine: str | None = "static"
     num_videos_per_prompt: int = 1
+    kv_cache_policy: str | None = None
+    context_frames: int | None = None
+    kv_cache_attention_bias: float | None = None
 
 
 @dataclass(kw_only=True)

@@ -389,6 +389,9 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
         num_videos_per_prompt: int = 1,
+        kv_cache_policy: str | None = None,
+        context_frames: int | None = None,
+        kv_cache_attention_bias: float | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -475,6 +478,19 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             num_videos_per_prompt (`int`, defaults to `1`):
                 Videos per prompt, as in diffusers: the prompts (and their embeddings) are repeated, so `latents` and a
                 list of `generator`s cover `batch * num_videos_per_prompt` videos.
+            kv_cache_policy (`str`, *optional*):
+                `"sequential"` (default: each chunk is written into the cache after it is denoised) or `"recompute"`
+                (Krea Realtime: before each chunk after the first the cache is cleared and rebuilt by one cache pass
+                over `context_frames` clean frames, the first latent frame plus the last `context_frames - 1`, at
+                RoPE positions from 0; the chunk then denoises right after them, so memory and positions stay
+                bounded). Not combinable with `attention_window`, `keep_cache` or `recache`. Defaults to the
+                pipeline's stored `kv_cache_policy`, if any.
+            context_frames (`int`, *optional*):
+                Latent frames of the recompute context (>= 1; Krea's `kv_cache_num_frames`, 3); needed by and only
+                allowed with `kv_cache_policy="recompute"`.
+            kv_cache_attention_bias (`float`, *optional*):
+                Krea's / scope's attention bias in [0.01, 1] (recompute only): the denoising forwards add `log(bias)`
+                to the logits of the cached keys except the first (anchor) frame; 1 (default) adds no mask at all.
 
         Examples:
 
@@ -513,5 +529,8 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 sink_frames=sink_frames,
                 kv_cache_engine=kv_cache_engine,
                 num_videos_per_prompt=num_videos_per_prompt,
+                kv_cache_policy=kv_cache_policy,
+                context_frames=context_frames,
+                kv_cache_attention_bias=kv_cache_attention_bias,
             )
         )

@@ -34,6 +34,7 @@ from .conditioning import Conditioner
 from .guard import exclusive_rollout, warn_discarding_kept_rollouts
 from .options import RolloutOptions
 from .policy import RolloutPolicy, SequentialPolicy
+from .policy_recompute import RECOMPUTE, RecomputePolicy, check_recompute_inputs
 from .prompts import PromptScheduleMixin
 from .records import ChunkOutput, ChunkRecord
 from .session import MAIN_BRANCH, RolloutSession, discard_branch
@@ -159,7 +160,12 @@ class CausalRolloutMixin(PromptScheduleMixin):
 
     def select_policy(self, options: RolloutOptions) -> RolloutPolicy:
         """The [`RolloutPolicy`] that runs a call: the pipeline's ``default_policy`` (a policy option of the call,
-        e.g. a recompute or rolling-window policy, is resolved here)."""
+        e.g. a recompute or rolling-window policy, is resolved here): ``kv_cache_policy="recompute"`` gives a
+        [`RecomputePolicy`] over ``context_frames`` with ``kv_cache_attention_bias``."""
+        # the text-to-video rollouts only (video-to-video keeps its own policy; recompute there is left to #14)
+        if getattr(options, "kv_cache_policy", None) == RECOMPUTE and type(self.default_policy) is SequentialPolicy:
+            bias = 1.0 if options.kv_cache_attention_bias is None else float(options.kv_cache_attention_bias)
+            return RecomputePolicy(options.context_frames, kv_cache_attention_bias=bias)
         return self.default_policy
 
     # ------------------------------------------------------------------ the prepare template
@@ -171,6 +177,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         * ``context_noise``: the stored one (0 by default).
         * ``attention_window`` / ``sink_frames``: the stored ones when a ``kv_cache_engine`` is configured.
         * a ``PipelineCallback``'s ``tensor_inputs``.
+        * ``kv_cache_policy`` / ``context_frames`` / ``kv_cache_attention_bias``: the stored ones, when present.
         """
         config = self.config
         changes: dict[str, Any] = {}
@@ -189,6 +196,9 @@ class CausalRolloutMixin(PromptScheduleMixin):
             changes["attention_window"] = config.get("attention_window")
         if options.sink_frames is None:
             changes["sink_frames"] = config.get("sink_frames", 0) if stored else 0
+        for name in ("kv_cache_policy", "context_frames", "kv_cache_attention_bias"):
+            if hasattr(options, name) and getattr(options, name) is None and config.get(name) is not None:
+                changes[name] = config.get(name)
         return replace(options, **changes)
 
     @staticmethod
@@ -217,6 +227,10 @@ class CausalRolloutMixin(PromptScheduleMixin):
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         shape = self.check_conditioning_inputs(options, batch_size)
         self.check_kv_cache_inputs(options.kv_cache_engine, options.attention_window, options.sink_frames)
+        check_recompute_inputs(
+            options.kv_cache_policy, options.context_frames, options.attention_window, options.sink_frames,
+            options.keep_cache, options.recache, options.kv_cache_attention_bias,
+        )  # fmt: skip
         self.check_inputs(options, shape, batch_size)
         num_latent_frames = (shape.num_frames - 1) // self.vae_scale_factor_temporal + 1
         bounds = self.rollout_chunk_bounds(num_latent_frames, options.chunk_size)
@@ -257,7 +271,10 @@ class CausalRolloutMixin(PromptScheduleMixin):
         plan = ChunkPlan.from_bounds(bounds, schedule, first_schedule=first_schedule)
         refs = shape.num_reference_frames
         switches = self.prompt_switch_chunks(prompt_switches, [(max(s - refs, 0), e - refs) for s, e in bounds])
-        self.configure_kv_cache(options.kv_cache_engine, options.attention_window, options.sink_frames, bounds)
+        cache_bounds = bounds
+        if options.kv_cache_policy == RECOMPUTE:  # the cache never holds more than the context and one chunk
+            cache_bounds = [(0, options.context_frames + max(end - start for start, end in bounds))]
+        self.configure_kv_cache(options.kv_cache_engine, options.attention_window, options.sink_frames, cache_bounds)
         session = self.open_session(
             conditioner,
             prompt_embeds,

@@ -86,6 +86,7 @@ class RolloutSession:
         tags = branch_cache_tags(branch)
         self.cache_tags: tuple[str, ...] = tags if guidance_scale > 1.0 else tags[:1]
         self.chunks: list[ChunkRecord] = []
+        self.attention_bias = 1.0  # Krea's KV-cache attention bias of the denoising forwards (set by its policy)
         self.num_latent_frames = 0  # one past the last stored frame
         self.num_chunks = 0
 
@@ -125,6 +126,8 @@ class RolloutSession:
             self.conditioner.model_inputs(span, latents, cache_tag=cache_tag, store_kv=store_kv, step=step)
         )
         model_kwargs["hidden_states"] = model_kwargs["hidden_states"].to(self.transformer.dtype)
+        if self.attention_bias != 1.0 and not store_kv:
+            model_kwargs["kv_cache_attention_bias"] = self.attention_bias
         return self.transformer(
             timestep=self.conditioner.timestep(span, timestep),
             start_frame=span.start,

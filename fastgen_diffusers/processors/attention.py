@@ -46,6 +46,9 @@ class SelfAttentionInputs:
       for the model to store once the blocks have run. The prefix is gathered by ``load_prefix`` right before the
       block runs ([`load`]) and dropped after it ([`release`]), so that a forward holds one block's gathered copy at a
       time, not a copy of the whole cache.
+
+    ``bias`` (either layout): an additive float mask ``(1, 1, 1, Lk)`` over all the keys attended (Krea's KV-cache
+    attention bias), added to the scaled logits; ``None``: no mask.
     """
 
     key_cache: torch.Tensor | None = None
@@ -58,6 +61,7 @@ class SelfAttentionInputs:
     new_key: torch.Tensor | None = None
     new_value: torch.Tensor | None = None
     load_prefix: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    bias: torch.Tensor | None = None
 
     @torch._dynamo.disable
     def load(self) -> None:
@@ -216,7 +220,9 @@ class WanCausalAttnProcessor:
             if inputs.key_cache is not None:
                 full_key = torch.cat([inputs.key_cache, key], dim=1)
                 full_value = torch.cat([inputs.value_cache, value], dim=1)
-            if inputs.mask is None:
+            if inputs.bias is not None:
+                hidden_states = masked_attention(query, full_key, full_value, inputs.bias.to(query.dtype))
+            elif inputs.mask is None:
                 hidden_states = dispatch_attention_fn(query, full_key, full_value, backend=self._attention_backend)
             else:
                 hidden_states = masked_attention(query, full_key, full_value, inputs.mask)
@@ -237,6 +243,9 @@ class WanCausalAttnProcessor:
         key_cache.index_copy_(1, inputs.write_index, key.to(key_cache.dtype))
         value_cache.index_copy_(1, inputs.write_index, value.to(value_cache.dtype))
         valid = inputs.valid_length.shape[0]
+        if inputs.bias is not None:
+            key, value = key_cache[:, :valid].to(query.dtype), value_cache[:, :valid].to(query.dtype)
+            return masked_attention(query, key, value, inputs.bias.to(query.dtype))
         return dispatch_attention_fn(
             query, key_cache[:, :valid], value_cache[:, :valid], backend=self._attention_backend
         )
