@@ -76,7 +76,8 @@ class SequentialPolicy(RolloutPolicy):
     """Today's causal rollout: each chunk is denoised on its own schedule, then written into the cache.
 
     [`run`] hands the plan's chunks to [`run_chunks`], the chunk loop; a subclass whose chunks are not known up front
-    (video-to-video) hands it its own chunks and starting latents, and the loop stays one.
+    (video-to-video) hands it its own chunks and starting latents, and a policy that treats the cache differently
+    around a chunk (Krea's recompute) overrides [`chunk_position`] / [`finish_chunk`]: the loop stays one.
     """
 
     def run(self, pipe, session, plan, source, **options):
@@ -133,6 +134,7 @@ class SequentialPolicy(RolloutPolicy):
                     return
                 if span.index in prompt_switches:
                     session.switch_prompt(prompt_switches[span.index], recache=recache)
+                position = self.chunk_position(session, span)
                 clean = conditioner.given_latents(span)
                 if clean is None:
                     latents, begin_index = start()
@@ -146,7 +148,7 @@ class SequentialPolicy(RolloutPolicy):
                         if pipe.interrupt:
                             return
                         pipe._current_timestep = t
-                        flow = session.guided_flow(span, latents, t.expand(batch_size), chunk_step)
+                        flow = session.guided_flow(position, latents, t.expand(batch_size), chunk_step)
                         latents = scheduler.step(flow.float(), t, latents, generator=generator, return_dict=False)[0]
                         latents = conditioner.after_step(span, latents)
                         if callback_on_step_end is not None:
@@ -163,10 +165,19 @@ class SequentialPolicy(RolloutPolicy):
                         progress_bar.update()
                     clean = latents
                 pipe._current_timestep = None
-                context = None
-                if store_last or not is_last:
-                    context = session.store(span, clean, generator)
+                context = self.finish_chunk(session, span, clean, store=store_last or not is_last, generator=generator)
                 yield ChunkRecord(span.index, span.start, span.end, clean, is_last, context)
+
+    def chunk_position(self, session: RolloutSession, span: ChunkSpan) -> ChunkSpan:
+        """Where ``span``'s denoising forwards sit (its frames and RoPE positions), decided before its first step: the
+        span itself here; a policy that rebuilds the cache before each chunk (recompute) moves it."""
+        return span
+
+    def finish_chunk(
+        self, session: RolloutSession, span: ChunkSpan, clean: torch.Tensor, *, store: bool, generator
+    ) -> torch.Tensor | None:
+        """After ``span`` is denoised to ``clean``: its cache pass (when ``store``), returning what was written."""
+        return session.store(span, clean, generator) if store else None
 
     @staticmethod
     def _callback(pipe, session, step, t, latents, callback, tensor_inputs) -> torch.Tensor:

@@ -31,7 +31,6 @@ import torch
 
 from ..chunking import ChunkSpan
 from .policy import SequentialPolicy
-from .records import ChunkRecord
 from .session import RolloutSession
 
 RECOMPUTE = "recompute"
@@ -125,76 +124,33 @@ class RecomputePolicy(SequentialPolicy):
         for cache_tag in session.cache_tags:
             session.forward(window, context, timestep, cache_tag=cache_tag, store_kv=True)
 
-    def run(
-        self,
-        pipe,
-        session,
-        plan,
-        source,
-        *,
-        generator=None,
-        callback_on_step_end=None,
-        callback_on_step_end_tensor_inputs=("latents",),
-        store_last=False,
-        prompt_switches=None,
-        recache=False,
-    ):
-        scheduler = pipe.scheduler
+    def run(self, pipe, session, plan, source, **options):
+        """[`SequentialPolicy.run`] with the cache rebuilt before each chunk and no cache pass after it; a prompt
+        switch needs no recache (the next rebuild runs under the new prompt)."""
         session.attention_bias = self.kv_cache_attention_bias
-        prompt_switches = prompt_switches or {}
-        conditioner = session.conditioner
-        pipe._num_timesteps = sum(
-            len(schedule["sigmas"]) for span, schedule in plan if conditioner.given_latents(span) is None
-        )
-        last_index = plan.spans[-1].index
-        first = recent = last_chunk = None  # the first frame, the last `context_frames` frames, the last chunk
-        num_frames = 0
-        c = self.context_frames
-        with pipe.progress_bar(total=pipe._num_timesteps) as progress_bar:
-            step = 0
-            for span, schedule in plan:
-                if pipe.interrupt:
-                    return
-                if span.index in prompt_switches:
-                    session.switch_prompt(prompt_switches[span.index], recache=False)
-                start = 0
-                if first is not None:
-                    context = self.context_of(span.index, first, recent, num_frames, last_chunk)
-                    self.rebuild(session, span, context)
-                    start = context.shape[2]
-                window = ChunkSpan(span.index, start, start + span.end - span.start)
-                clean = conditioner.given_latents(span)
-                if clean is None:
-                    latents = source.latents(span)
-                    batch_size = latents.shape[0]
-                    scheduler.set_timesteps(**schedule, device=latents.device)
-                    scheduler.set_begin_index(0)
-                    for chunk_step, t in enumerate(scheduler.timesteps):
-                        if pipe.interrupt:
-                            return
-                        pipe._current_timestep = t
-                        flow = session.guided_flow(window, latents, t.expand(batch_size), chunk_step)
-                        latents = scheduler.step(flow.float(), t, latents, generator=generator, return_dict=False)[0]
-                        latents = conditioner.after_step(span, latents)
-                        if callback_on_step_end is not None:
-                            latents = self._callback(
-                                pipe,
-                                session,
-                                step,
-                                t,
-                                latents,
-                                callback_on_step_end,
-                                callback_on_step_end_tensor_inputs,
-                            )
-                        step += 1
-                        progress_bar.update()
-                    clean = latents
-                pipe._current_timestep = None
-                if first is None:
-                    first = clean[:, :, :1]
-                recent = clean if recent is None else torch.cat([recent, clean], dim=2)
-                recent = recent[:, :, max(recent.shape[2] - c, 0) :]
-                num_frames += clean.shape[2]
-                last_chunk = clean
-                session.record(span, clean, None)
-                yield ChunkRecord(span.index, span.start, span.end, clean, span.index == last_index, None)
+        self._first = self._recent = self._last_chunk = None  # the first frame, the last `context_frames`, last chunk
+        self._num_frames = 0
+        yield from super().run(pipe, session, plan, source, **{**options, "recache": False})
+
+    def chunk_position(self, session: RolloutSession, span: ChunkSpan) -> ChunkSpan:
+        """Rebuild the cache over the clean context (not before the first chunk), then sit the chunk right after it."""
+        if self._first is None:
+            return span
+        context = self.context_of(span.index, self._first, self._recent, self._num_frames, self._last_chunk)
+        self.rebuild(session, span, context)
+        start = context.shape[2]
+        return ChunkSpan(span.index, start, start + span.end - span.start)
+
+    def finish_chunk(
+        self, session: RolloutSession, span: ChunkSpan, clean: torch.Tensor, *, store: bool, generator
+    ) -> None:
+        """No cache pass (the next rebuild replaces this chunk's noisy K/V); remember the frames the next context
+        needs."""
+        if self._first is None:
+            self._first = clean[:, :, :1]
+        recent = clean if self._recent is None else torch.cat([self._recent, clean], dim=2)
+        self._recent = recent[:, :, max(recent.shape[2] - self.context_frames, 0) :]
+        self._num_frames += clean.shape[2]
+        self._last_chunk = clean
+        session.record(span, clean, None)
+        return None
