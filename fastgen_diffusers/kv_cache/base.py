@@ -34,7 +34,8 @@ Sliding window and sink (``window_frames``, ``sink_frames``): the engine's :clas
 states the rule once; the engine evicts what it says is out of every later window, per frame and the same in every
 engine: a call evicts the non-sink frames before its first chunk's window, a store keeps the sink and the frames
 from :meth:`AttentionWindow.recent_start` on. Keys are stored after RoPE, so positions stay absolute. A call that
-needs an evicted frame is an error.
+needs an evicted frame is an error, except inside a windowed recache (:meth:`BaseKVCacheEngine.skip_evicted`), whose
+calls attend to the frames held.
 """
 
 from __future__ import annotations
@@ -166,6 +167,44 @@ class BaseKVCacheEngine:
         """How many cached frames a call at ``start_frame`` whose first chunk has ``first_chunk_frames`` frames
         attends to (every frame before it, or the window and sink)."""
         return self.window.visible_frames(start_frame, first_chunk_frames)
+
+    def held_visible(self, cache_tag: str, start_frame: int, first_chunk_frames: int) -> tuple[int, int]:
+        """[`visible_window`] clipped to what ``cache_tag`` holds (``[0, sink_end)``, ``[recent_start, start_frame)``).
+
+        The same as :meth:`visible_window` for every call the rules allow; only the calls of a windowed recache
+        (:meth:`skip_evicted`) see fewer frames, as their evicted predecessors are gone.
+        """
+        sink_end, recent_start = self.window.visible(start_frame, first_chunk_frames)
+        state = self._tags.get(cache_tag)
+        if state is not None and self.window.bounded:
+            recent_start = max(recent_start, min(max(state.evicted_before, sink_end), start_frame))
+        return sink_end, recent_start
+
+    # ------------------------------------------------------------------ windowed recache
+    def skip_evicted(self, cache_tag: str, resume_frame: int) -> None:
+        """Open a windowed recache of ``cache_tag``: the frames ``[stored, resume_frame)`` count as stored and
+        evicted, so the next store may start at ``resume_frame``; until :meth:`end_recache`, calls attend to the
+        frames the tag holds (the sink and what the recache has re-stored) instead of raising for evicted ones.
+
+        LongLive's recache under a window: only the chunks the window still holds are re-run, each seeing the sink
+        and the re-run chunks before it.
+        """
+        state = self._tags[cache_tag]
+        if resume_frame < state.num_frames:
+            raise ValueError(f"Cannot skip to frame {resume_frame}: cache_tag {cache_tag!r} holds {state.num_frames}.")
+        if not self.window.bounded or resume_frame <= self.window.sink:
+            raise ValueError("A windowed recache needs a window and a resume frame past the sink.")
+        state.num_frames = resume_frame
+        state.evicted_before = max(state.evicted_before, resume_frame)
+        state.recaching = True
+        for block_idx in range(self.num_blocks):
+            self._evict_self_entry(self._self_kv[block_idx][cache_tag], state, resume_frame)
+
+    def end_recache(self, cache_tag: str) -> None:
+        """Close the windowed recache of ``cache_tag`` (:meth:`skip_evicted`): the usual rules apply again."""
+        state = self._tags.get(cache_tag)
+        if state is not None:
+            state.recaching = False
 
     def held_frames(self, cache_tag: str) -> int:
         """Frames of ``cache_tag`` whose K/V the engine holds (the sink and the frames not evicted)."""

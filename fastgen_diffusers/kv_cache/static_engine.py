@@ -239,6 +239,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         single_chunk = first_chunk_frames is None or first_chunk_frames == num_frames
         in_frame_order = self.window.all_seen_until(end_frame)
         hot = start_frame == state.num_frames and (single_chunk or in_frame_order)
+        hot = hot and not state.recaching
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
         entry.written = None
         if not hot or key.requires_grad or value.requires_grad:
@@ -251,7 +252,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
     def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames):
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
         seqlen = self._tags[cache_tag].frame_seqlen
-        sink_end, recent_start = self.window.visible(start_frame, first_chunk_frames)
+        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames)
         keys, values = [], []
         for first, last in ((0, sink_end), (recent_start, start_frame)):
             for _, slot, count in self._slot_runs(first, last):
@@ -274,6 +275,8 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         """
         state = self._tags.get(cache_tag)
         if state is None or start_frame != state.num_frames or first_chunk_frames != num_frames:
+            return None
+        if state.recaching:  # a windowed recache attends to the held frames only, not the whole window
             return None
         if torch.is_grad_enabled():
             return None

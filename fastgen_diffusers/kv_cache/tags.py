@@ -30,6 +30,7 @@ class TagState:
     num_frames: int = 0  # frames stored so far ("ever stored" for windowed engines)
     evicted_before: int = 0  # windowed engines: the non-sink frames before it are no longer held
     rope_offset: int = 0  # cached keys are rotated for temporal positions ``frame - rope_offset`` (RoPE re-basing)
+    recaching: bool = False  # a windowed recache is open: its calls attend to the held frames only (see skip_evicted)
 
     def layout(self) -> dict[str, Any]:
         return {
@@ -127,7 +128,8 @@ class TagTable:
                 f"`start_frame={start_frame}` is inside a stored chunk of cache_tag {cache_tag!r}; calls must start "
                 f"at a chunk boundary the cache can serve: one of {sorted(set(state.chunk_starts + [stored]))}."
             )
-        window.check_held(start_frame, chunk_layout[0], state.evicted_before, f"cache_tag {cache_tag!r}")
+        if not state.recaching:
+            window.check_held(start_frame, chunk_layout[0], state.evicted_before, f"cache_tag {cache_tag!r}")
         for name, expected in state.layout().items():
             given = torch.device(layout[name]) if name == "device" else layout[name]
             if given != expected:

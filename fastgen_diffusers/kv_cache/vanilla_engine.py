@@ -52,7 +52,7 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
     def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames):
         entry: VanillaSelfEntry = self._self_kv[block_idx][cache_tag]
         seqlen = self._tags[cache_tag].frame_seqlen
-        sink_end, recent_start = self.window.visible(start_frame, first_chunk_frames)
+        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames)
         keys, values = [], []
         for run_start, run_end, key, value in entry.runs(seqlen):
             for low, high in ((0, sink_end), (recent_start, start_frame)):

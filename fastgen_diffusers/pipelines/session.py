@@ -184,8 +184,10 @@ class RolloutSession:
     def switch_prompt(self, prompt_embeds: torch.Tensor, *, recache: bool) -> None:
         """Condition the conditional tag on ``prompt_embeds`` from the next chunk on.
 
-        The tag's cross K/V are invalidated (the next forward refills them). With ``recache``, every chunk of the
-        history runs its cache pass again under the new prompt, in order (LongLive's recache): one forward per chunk.
+        The tag's cross K/V are invalidated (the next forward refills them). With ``recache``, the chunks of the
+        history run their cache pass again under the new prompt, in order (LongLive's recache): every chunk without
+        an attention window, one forward each; under a window only the chunks the window still holds (the sink's
+        and the most recent ones, [`recache_chunks`]), so a switch costs O(window) forwards, not O(video).
         """
         self.prompt_embeds = prompt_embeds
         cache_tag = self.cache_tags[0]
@@ -194,9 +196,51 @@ class RolloutSession:
         if not recache or not self.chunks:
             return
         timestep = self.context_timestep(prompt_embeds.shape[0], prompt_embeds.device)
-        for chunk in self.chunks:
-            span = ChunkSpan(chunk.chunk_index, chunk.start, chunk.end)
-            self.forward(span, chunk.context, timestep, cache_tag=cache_tag, store_kv=True)
+        sink_chunks, recent_chunks = self.recache_chunks()
+        if not recent_chunks:  # nothing evicted: every chunk, as without a window
+            for chunk in sink_chunks:
+                self._restore(chunk, timestep, cache_tag)
+            return
+        engines = [e for e in self.transformer.kv_cache_engines.values() if e.tag_state(cache_tag) is not None]
+        sink_end = sink_chunks[-1].end if sink_chunks else 0
+        for engine in engines:
+            engine.truncate(cache_tag, sink_end)
+        for chunk in sink_chunks:
+            self._restore(chunk, timestep, cache_tag)
+        try:
+            for engine in engines:
+                engine.skip_evicted(cache_tag, recent_chunks[0].start)
+            for chunk in recent_chunks:
+                self._restore(chunk, timestep, cache_tag)
+        finally:
+            for engine in engines:
+                engine.end_recache(cache_tag)
+
+    def recache_chunks(self) -> tuple[list[ChunkRecord], list[ChunkRecord]]:
+        """The chunks a recache re-runs, as ``(first, recent)``: ``(every chunk, [])`` when the conditional tag
+        still holds every frame (no window, or nothing evicted yet); else ``(sink chunks, recent chunks)``: the
+        chunks holding a sink frame, and the later chunks holding a frame the window keeps (LongLive re-runs the
+        last ``min(window, t)`` frames). The recent ones then see the sink and each other only: the frames
+        before them are evicted, so their K/V past the first block differ from a full re-run's.
+        """
+        cache_tag = self.cache_tags[0]
+        sink, evicted_before = 0, 0
+        for engine in self.transformer.kv_cache_engines.values():
+            state = engine.tag_state(cache_tag)
+            if engine.window.bounded and state is not None:
+                sink = engine.window.sink
+                evicted_before = max(evicted_before, min(state.evicted_before, state.num_frames))
+        if evicted_before <= sink:
+            return list(self.chunks), []
+        first = [chunk for chunk in self.chunks if chunk.start < sink]
+        recent = [chunk for chunk in self.chunks if chunk.start >= sink and chunk.end > evicted_before]
+        if len(first) + len(recent) == len(self.chunks):
+            return list(self.chunks), []
+        return first, recent
+
+    def _restore(self, chunk: ChunkRecord, timestep: torch.Tensor, cache_tag: str) -> None:
+        span = ChunkSpan(chunk.chunk_index, chunk.start, chunk.end)
+        self.forward(span, chunk.context, timestep, cache_tag=cache_tag, store_kv=True)
 
     # ------------------------------------------------------------------ cache edits
     def truncate(self, frame: int) -> None:

@@ -1,0 +1,139 @@
+"""Recache under an attention window (#15 section 4): a prompt switch with ``recache=True`` re-runs only the chunks
+the window holds (the sink's and the most recent ones, as LongLive re-runs the last ``min(window, t)`` frames), not
+every earlier chunk.
+
+Where it must agree with the old full re-run: a frame's K/V in block ``l`` depend on the block ``l - 1`` K/V of the
+frames in its window, which in a full re-run reach, one window per block, back to frames the window has evicted; the
+windowed re-run cannot recompute those. So what the next chunk attends to is equal (to float32 rounding) in the sink
+(every block: the sink chunk sees only itself), in block 0 (inputs only) and in every block whose chain of windows
+stays inside the held chunks: all blocks of the 2-block model with window 9 = sink 3 + 2 chunks (its output equals the
+full re-run's), not block 2 of a 3-block model nor block 1 with window 12 (the differences are asserted below).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgen_diffusers.pipelines import session as session_module
+from fastgen_diffusers.testing import tiny_pipeline
+
+# 24 latent frames in 8 chunks of 3 (chunk k starts at latent frame 3k, pixel frame 12k - 3); window 9 = 3 chunks.
+CALL = {"height": 16, "width": 16, "num_frames": 93, "num_inference_steps": 2, "output_type": "latent"}
+WINDOW = {"attention_window": 9, "sink_frames": 3}
+
+
+def _embeds(seed: int) -> torch.Tensor:
+    return torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def _pipe(**overrides):
+    pipe = tiny_pipeline(**overrides)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return _pipe()
+
+
+def _run(pipe, monkeypatch, switch_frame: int, *, full: bool, **kwargs):
+    """Run with one switch; return the latents, the transformer forwards of the switch and, right after it, the
+    K/V ``[(key, value)]`` per block that the next chunk attends to (sink and visible recent frames, frame order)."""
+    record = {}
+    switch_prompt = session_module.RolloutSession.switch_prompt
+    transformer = pipe.transformer
+    forward = transformer.forward
+    calls = []
+
+    def counting(*args, **kw):
+        calls.append(kw.get("start_frame"))
+        return forward(*args, **kw)
+
+    def recording(self, prompt_embeds, *, recache):
+        before = len(calls)
+        switch_prompt(self, prompt_embeds, recache=recache)
+        record["forwards"] = len(calls) - before
+        engine = transformer.kv_cache_engines["main"]
+        start = self.num_latent_frames
+        record["seen"] = [engine.get_self_prefix(b, "pos", start, 3) for b in range(engine.num_blocks)]
+        record["held_from"] = engine.tag_state("pos").evicted_before
+
+    monkeypatch.setattr(transformer, "forward", counting)
+    monkeypatch.setattr(session_module.RolloutSession, "switch_prompt", recording)
+    if full:  # the old behaviour: every earlier chunk
+        monkeypatch.setattr(session_module.RolloutSession, "recache_chunks", lambda self: (list(self.chunks), []))
+    try:
+        latents = pipe(
+            prompt_embeds={0: _embeds(1), switch_frame: _embeds(2)},
+            recache=True,
+            generator=torch.Generator().manual_seed(0),
+            **kwargs,
+            **CALL,
+        ).frames
+    finally:
+        monkeypatch.undo()
+    return latents, record
+
+
+@pytest.mark.parametrize("engine", ["static", "vanilla"])
+@pytest.mark.parametrize("switch_chunk", [6, 7])
+def test_windowed_recache_runs_the_window_and_equals_a_full_rerun(pipe, monkeypatch, engine, switch_chunk):
+    frame = 12 * switch_chunk - 3
+    window = {"kv_cache_engine": engine, **WINDOW}
+    fast, fast_record = _run(pipe, monkeypatch, frame, full=False, **window)
+    slow, slow_record = _run(pipe, monkeypatch, frame, full=True, **window)
+    assert fast_record["forwards"] == 9 // 3  # the chunks of the window: the sink's and the two most recent
+    assert slow_record["forwards"] == switch_chunk
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-6)  # measured: 0 (vanilla), <= 3e-7 (static)
+    for (fast_k, fast_v), (slow_k, slow_v) in zip(fast_record["seen"], slow_record["seen"]):
+        torch.testing.assert_close(fast_k, slow_k, rtol=0, atol=1e-6)
+        torch.testing.assert_close(fast_v, slow_v, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("engine", ["static", "vanilla"])
+def test_recache_before_any_eviction_reruns_everything(pipe, monkeypatch, engine):
+    window = {"kv_cache_engine": engine, **WINDOW}
+    fast, record = _run(pipe, monkeypatch, 21, full=False, **window)  # chunk 2: nothing evicted yet
+    slow, _ = _run(pipe, monkeypatch, 21, full=True, **window)
+    assert record["forwards"] == 2 and torch.equal(fast, slow)
+
+
+def test_recache_without_window_reruns_every_chunk(pipe, monkeypatch):
+    _, record = _run(pipe, monkeypatch, 69, full=False, kv_cache_engine="static")
+    assert record["forwards"] == 6
+
+
+@pytest.mark.parametrize("engine", ["static", "vanilla"])
+@pytest.mark.parametrize(
+    ("num_layers", "window_frames", "switch_chunk", "exact_blocks"),
+    [(3, 9, 6, 2), (2, 12, 7, 1)],
+    ids=["3 blocks, window 9", "2 blocks, window 12"],
+)
+def test_where_a_windowed_recache_cannot_equal_a_full_rerun(
+    monkeypatch, engine, num_layers, window_frames, switch_chunk, exact_blocks
+):
+    """The sink (every block) and the first ``exact_blocks`` blocks of what the next chunk sees are equal; past them
+    the full re-run's K/V went through frames the window had evicted (window 9: block 2 of frames [15, 18) read
+    block 1 of [12, 15), which the full re-run computed from the evicted [9, 12); window 12: block 1 of [15, 18)
+    read block 0 of the evicted [9, 12) directly)."""
+    pipe = _pipe(num_layers=num_layers)
+    window = {"kv_cache_engine": engine, "attention_window": window_frames, "sink_frames": 3}
+    frame = 12 * switch_chunk - 3
+    fast, fast_record = _run(pipe, monkeypatch, frame, full=False, **window)
+    slow, slow_record = _run(pipe, monkeypatch, frame, full=True, **window)
+    assert fast_record["forwards"] == window_frames // 3 and slow_record["forwards"] == switch_chunk
+    assert torch.equal(fast[:, :, : 3 * switch_chunk], slow[:, :, : 3 * switch_chunk])  # before the switch
+    seen_frames = 3 + window_frames - 3 - 3  # the sink and the recent frames of the next chunk's window
+    tokens = fast_record["seen"][0][0].shape[1] // seen_frames
+    sink = slice(0, 3 * tokens)
+    for block, ((fast_k, fast_v), (slow_k, slow_v)) in enumerate(zip(fast_record["seen"], slow_record["seen"])):
+        torch.testing.assert_close(fast_k[:, sink], slow_k[:, sink], rtol=0, atol=1e-6)
+        torch.testing.assert_close(fast_v[:, sink], slow_v[:, sink], rtol=0, atol=1e-6)
+        if block < exact_blocks:
+            torch.testing.assert_close(fast_k, slow_k, rtol=0, atol=1e-6)
+            torch.testing.assert_close(fast_v, slow_v, rtol=0, atol=1e-6)
+        else:
+            assert not torch.allclose(fast_k, slow_k, atol=1e-4)
+    assert not torch.allclose(fast[:, :, 3 * switch_chunk :], slow[:, :, 3 * switch_chunk :], atol=1e-6)
