@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    pipe = WanCausalPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16)
+    pipe = WanCausalPipeline.from_pretrained(args.model, dtype=torch.bfloat16)
     setup = setup_context_parallel(pipe, "ulysses")  # process group, cuda:LOCAL_RANK, Ulysses over all processes
     pipe.vae.to(torch.float32)
     frames = pipe(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from . import __version__
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     A user error (:class:`UsageError`, a pipeline's ``ValueError``, an ``OSError`` such as a full disk) is printed as
     one line on stderr: exit status 2 for a bad command line, 1 otherwise. Any other exception is a bug and keeps its
-    traceback; ``--debug`` shows the traceback of user errors too.
+    traceback; ``--debug`` also prints the traceback of a user error (same exit status).
     """
     args = build_parser().parse_args(argv)
     prog = f"fastgen-diffusers {args.command}"
@@ -243,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (UsageError, ValueError, OSError) as error:
         if getattr(args, "debug", False):
-            raise
-        hint = " (--debug shows the traceback)" if not isinstance(error, UsageError) else ""
+            traceback.print_exc()
+        hint = (
+            "" if getattr(args, "debug", False) or isinstance(error, UsageError) else " (--debug shows the traceback)"
+        )
         print(f"{prog}: error: {one_line(error)}{hint}", file=sys.stderr)
         return 2 if isinstance(error, UsageError) else 1
     except KeyboardInterrupt:

@@ -289,14 +289,22 @@ def test_help_is_fast_and_imports_no_heavy_module(args, tmp_path):
 
 def test_pipeline_errors_are_one_line_with_status_1_and_debug_shows_the_traceback(tmp_path, capsys):
     """An error the pipeline finds after loading (here: a clip that does not fill whole chunks of the tiny I2V
-    student's [1, 3, 3, ...] layout) is one line too; ``--debug`` re-raises it."""
+    student's [1, 3, 3, ...] layout) is one line too; ``--debug`` prints its traceback as well, same status."""
     clip = write_video(tmp_path / "clip9.gif", 9)
     args = [*GEN, "--video", str(clip), "--num-frames", "13", "--steps", "1", "--output", str(tmp_path / "o.mp4")]
     assert cli.main(args) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "`video` encodes to 3 latent frames" in err and "--debug" in err
-    with pytest.raises(ValueError, match="do not fill whole chunks"):
-        cli.main([*args, "--debug"])
+    assert cli.main([*args, "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "do not fill whole chunks" in err
+
+
+def test_debug_keeps_the_usage_status(capsys):
+    """``--debug`` adds the traceback of a bad command line but keeps its exit status 2."""
+    assert cli.main([*GEN, "--guidance-scale", "nan", "--output", "o.mp4", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "guidance" in err
 
 
 def test_real_bugs_keep_their_traceback(monkeypatch):

@@ -457,8 +457,9 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 Width in pixels, as `height`.
             num_frames (`int`, defaults to `81`):
                 Number of pixel frames of the output, of the form 4k+1, counting the given image or clip.
-            num_inference_steps (`int`, defaults to `4`):
-                Denoising steps per generated chunk (timesteps 1000, 937.5, 833.3, 625 for 4 steps at shift 5).
+            num_inference_steps (`int`, *optional*):
+                Denoising steps per generated chunk; without it (and without `timesteps`/`sigmas`) the pipeline's
+                stored `timesteps` are used, else 4 (timesteps 1000, 937.5, 833.3, 625 at shift 5).
             timesteps (`list[float]`, *optional*):
                 Model-scale timesteps in [0, 1000], strictly decreasing, used as given.
             sigmas (`list[float]`, *optional*):
@@ -470,9 +471,10 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 prompt) runs with its own KV cache.
             chunk_size (`int`, *optional*):
                 Latent frames per chunk; defaults to the transformer's `chunk_size`.
-            context_noise (`float`, defaults to `0.0`):
+            context_noise (`float`, *optional*):
                 Timestep of the pass that writes each generated chunk into the KV cache (given chunks are written
-                clean, at 0).
+                clean, at 0); defaults to the pipeline's stored `context_noise` (0 unless a converted student says
+                otherwise).
             generator (`torch.Generator` or `list[torch.Generator]`, *optional*):
                 RNG(s) for the initial noise, the scheduler's re-noising and the context noise.
             latents (`torch.Tensor`, *optional*):

@@ -90,6 +90,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
 
     _options_class = VideoToVideoOptions
     default_policy = VideoToVideoPolicy()
+    supports_keep_cache = False
 
     # ------------------------------------------------------------------ the prepare template, for an open-ended video
     def video_chunker(self, options: VideoToVideoOptions) -> VideoChunker:

@@ -3,7 +3,7 @@
 Layers (each a module of this package, imported one way: pipelines -> session/policy -> conditioning -> chunking):
 
 * [`RolloutOptions`] (``options.py``): the typed arguments of a call.
-* [`CausalRolloutMixin.prepare_rollout`] (here): one template for the three pipelines: check inputs, encode the
+* [`CausalRolloutMixin.prepare_rollout`] (here): one template for the pipelines: check inputs, encode the
   prompts, build the conditioner (the pipeline's ``prepare_conditioner``), sample the noise, plan the chunks,
   configure the KV cache, open a [`RolloutSession`]. The pipelines differ only in the hooks
   ``check_conditioning_inputs``, ``check_conditioning_fits`` and ``prepare_conditioner``.
@@ -131,6 +131,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
     _callback_tensor_inputs = ["latents", "prompt_embeds", "negative_prompt_embeds"]
     _options_class: type[RolloutOptions] = RolloutOptions
     default_policy: RolloutPolicy = SequentialPolicy()
+    supports_keep_cache = True  # False: `keep_cache=True` is refused (video-to-video: its input cannot be continued)
 
     def _init_rollout_state(self) -> None:
         """The rollout state a pipeline holds (set up by ``__init__``): its kept sessions by branch name, and the
@@ -468,7 +469,8 @@ class CausalRolloutMixin(PromptScheduleMixin):
         if branch not in self._sessions:
             raise ValueError(
                 f"No kept rollout on branch {branch!r} (kept: {sorted(self._sessions)}): run the pipeline with "
-                "`keep_cache=True` first, or fork an existing branch."
+                "`keep_cache=True` first, or fork an existing branch"
+                + ("." if self.supports_keep_cache else f" ({type(self).__name__} cannot keep rollouts).")
             )
         return self._sessions[branch]
 

@@ -6,7 +6,7 @@ in backticks and says what is accepted. What needs more than the
 argument itself (shapes against the transformer's config, batch sizes, chunk fits) stays in the pipelines'
 ``check_inputs``; those run after these, on arguments of the right type.
 
-[`validate_call_arguments`] applies the checks to every argument a call passes, by name, so the three pipelines, their
+[`validate_call_arguments`] applies the checks to every argument a call passes, by name, so the pipelines, their
 ``stream()`` and the kept-rollout methods share one table. PIL images in a mode other than RGB are converted the way
 ``diffusers.utils.load_image`` does (``image.convert("RGB")``); modes that cannot be converted without losing their
 values (16- and 32-bit integer or float images) are refused.
