@@ -47,8 +47,8 @@ class SelfAttentionInputs:
       block runs ([`load`]) and dropped after it ([`release`]), so that a forward holds one block's gathered copy at a
       time, not a copy of the whole cache.
 
-    ``bias`` (either layout): an additive float mask ``(1, 1, 1, Lk)`` over all the keys attended (Krea's KV-cache
-    attention bias), added to the scaled logits; ``None``: no mask.
+    ``bias`` (either layout): an additive float mask ``(1, 1, 1, Lk)`` over all the keys attended (a per-key attention
+    bias the context decided), added to the scaled logits; ``None``: no mask.
     """
 
     key_cache: torch.Tensor | None = None
@@ -71,7 +71,7 @@ class SelfAttentionInputs:
             self.key_cache, self.value_cache = (None, None) if prefix is None else prefix
 
     def release(self) -> None:
-        """Drop the gathered prefix once the block has run (kept while gradients may recompute the block)."""
+        """Drop the gathered prefix once the block has run (kept while gradients may run the block again)."""
         if self.load_prefix is not None and not torch.is_grad_enabled():
             self.key_cache = self.value_cache = None
 
