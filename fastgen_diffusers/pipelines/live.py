@@ -212,8 +212,10 @@ class LiveRolloutMixin(CausalRolloutMixin):
 
         The caches of the branch's tags are truncated at the chunk's first frame (`BaseKVCacheEngine.truncate`), so
         the new chunk attends to exactly the history the old one saw. With the same `generator` seed (and the same
-        prompt) as the call that made the chunk from a fresh generator, the chunk comes out identical; another seed or
-        prompt gives another take. Arguments as in [`continue_rollout`]; `latents` is `(B, C, F_chunk, H, W)`.
+        prompt) as the call that made the chunk from a fresh generator, the chunk comes out identical (true of a chunk
+        made by `continue_rollout`; the last chunk of a `pipe(...)` call drew its noise after the earlier chunks', so
+        a fresh generator gives another take of it); another seed or prompt gives another take. Arguments as in
+        [`continue_rollout`]; `latents` is `(B, C, F_chunk, H, W)`.
 
         Returns:
             The frames of the whole video of the branch, with the new last chunk.

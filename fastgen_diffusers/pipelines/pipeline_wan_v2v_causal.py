@@ -292,8 +292,9 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 `latents[:, :, s:e]`); `F` the video's latent frames for a list, at least the first chunk's for an
                 iterator (whose video must not outgrow it). Defaults to fresh noise from `generator`, chunk by chunk.
             Others:
-                As in [`WanCausalPipeline.__call__`] (`keep_cache` is not supported: a restyled input cannot be
-                continued).
+                As in [`WanCausalPipeline.__call__`], except `num_frames` (the video's length decides),
+                `num_videos_per_prompt` and `keep_cache` (a restyled input cannot be continued), which this pipeline
+                does not take.
 
         Examples:
 
