@@ -68,6 +68,20 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     long_videos.add_argument(
         "--sink-frames", type=int, help="first latent frames kept inside --attention-window (default: 0)"
     )
+    long_videos.add_argument(
+        "--kv-cache-policy",
+        choices=("sequential", "recompute"),
+        help="KV cache policy; recompute (Krea) re-encodes --context-frames clean frames before each chunk "
+        "(default: the model's stored one, else sequential)",
+    )
+    long_videos.add_argument(
+        "--context-frames", type=int, help="clean latent frames re-encoded per chunk under --kv-cache-policy recompute"
+    )
+    long_videos.add_argument(
+        "--kv-cache-attention-bias",
+        type=float,
+        help="attention weight on cached frames under --kv-cache-policy recompute, in [0.01, 1] (1 = off)",
+    )
     parser.add_argument(
         "--stream", action="store_true", help="write frames to the video as chunks finish; print time to first frames"
     )
@@ -190,6 +204,9 @@ def run_generate(args: argparse.Namespace) -> int:
         call_kwargs["strength"] = strength_argument(args)
     if args.attention_window is not None:
         call_kwargs.update(attention_window=args.attention_window, sink_frames=args.sink_frames or 0)
+    for name in ("kv_cache_policy", "context_frames", "kv_cache_attention_bias"):
+        if getattr(args, name) is not None:
+            call_kwargs[name] = getattr(args, name)
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -81,6 +81,7 @@ def check_numbers(args: argparse.Namespace) -> None:
         )
     if not 0 <= args.seed < 2**64:
         raise UsageError(f"--seed must be in [0, 2**64), got {args.seed}.")
+    check_kv_cache_policy(args)
     if args.attention_window is None:
         if args.sink_frames is not None:
             raise UsageError("--sink-frames needs --attention-window (the sink is kept inside the window).")
@@ -91,6 +92,27 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--sink-frames must be in [0, --attention-window) = [0, {args.attention_window}), got {sink}."
         )
+
+
+def check_kv_cache_policy(args: argparse.Namespace) -> None:
+    """``--context-frames`` >= 1 and ``--kv-cache-attention-bias`` in [0.01, 1], both only with ``--kv-cache-policy
+    recompute``, which does not combine with ``--attention-window``/``--sink-frames``."""
+    recompute = getattr(args, "kv_cache_policy", None) == "recompute"
+    for name in ("context_frames", "kv_cache_attention_bias"):
+        if getattr(args, name, None) is not None and not recompute:
+            raise UsageError(f"{flag(name)} needs --kv-cache-policy recompute.")
+    if not recompute:
+        return
+    if args.attention_window is not None or args.sink_frames is not None:
+        raise UsageError(
+            "--kv-cache-policy recompute cannot be combined with --attention-window/--sink-frames "
+            "(the recompute context already bounds the cache)."
+        )
+    if args.context_frames is not None:
+        _at_least(args, "context_frames", 1)
+    bias = args.kv_cache_attention_bias
+    if bias is not None and not (math.isfinite(bias) and 0.01 <= bias <= 1):
+        raise UsageError(f"--kv-cache-attention-bias must be in [0.01, 1] (1 = off), got {bias}.")
 
 
 def _wants_vace(args: argparse.Namespace) -> bool:

@@ -64,6 +64,29 @@ def test_generate_streams_with_an_attention_window(tmp_path, capsys):
     assert len(read_frames(output)) == 21
 
 
+def test_generate_with_the_recompute_policy(tmp_path, capsys, monkeypatch):
+    """``--kv-cache-policy recompute --context-frames --kv-cache-attention-bias`` reach the pipeline call."""
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    seen = []
+    call = WanCausalPipeline.__call__
+
+    def recording(self, *args, **kwargs):
+        seen.append(
+            {name: kwargs.get(name) for name in ("kv_cache_policy", "context_frames", "kv_cache_attention_bias")}
+        )
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(WanCausalPipeline, "__call__", recording)
+    output = tmp_path / "recompute.mp4"
+    args = ["generate", "--prompt", "a fox", "--output", str(output), "--num-frames", "21", "--height", "32"]
+    args += ["--width", "32", "--steps", "2", "--kv-cache-policy", "recompute", "--context-frames", "2"]
+    args += ["--kv-cache-attention-bias", "0.3"]
+    assert cli.main(args) == 0
+    assert seen == [{"kv_cache_policy": "recompute", "context_frames": 2, "kv_cache_attention_bias": 0.3}]
+    assert len(read_frames(output)) == 21
+
+
 def test_generate_with_vace_control_and_image_flags(tmp_path, capsys):
     import imageio
 

@@ -120,6 +120,31 @@ CASES = {
     "window 0": (["--attention-window", "0"], 2, "--attention-window must be at least 1, got 0"),
     "sink fills window": (["--attention-window", "4", "--sink-frames", "4"], 2, "[0, 4), got 4"),
     "sink negative": (["--attention-window", "4", "--sink-frames", "-1"], 2, "got -1"),
+    "unknown policy": (["--kv-cache-policy", "rolling"], 2, "argument --kv-cache-policy: invalid choice"),
+    "context without recompute": (["--context-frames", "3"], 2, "--context-frames needs --kv-cache-policy recompute"),
+    "bias without recompute": (
+        ["--kv-cache-policy", "sequential", "--kv-cache-attention-bias", "0.3"],
+        2,
+        "--kv-cache-attention-bias needs --kv-cache-policy recompute",
+    ),
+    "context 0": (
+        ["--kv-cache-policy", "recompute", "--context-frames", "0"],
+        2,
+        "--context-frames must be at least 1",
+    ),
+    "bias too small": (
+        ["--kv-cache-policy", "recompute", "--kv-cache-attention-bias", "0.001"],
+        2,
+        "--kv-cache-attention-bias must be in [0.01, 1]",
+    ),
+    "bias above 1": (["--kv-cache-policy", "recompute", "--kv-cache-attention-bias", "1.5"], 2, "got 1.5"),
+    "bias nan": (["--kv-cache-policy", "recompute", "--kv-cache-attention-bias", "nan"], 2, "got nan"),
+    "recompute with window": (
+        ["--kv-cache-policy", "recompute", "--attention-window", "4"],
+        2,
+        "recompute cannot be combined with --attention-window/--sink-frames",
+    ),
+    "recompute with sink": (["--kv-cache-policy", "recompute", "--sink-frames", "1"], 2, "cannot be combined"),
     "missing prompt": ([], 2, "the following arguments are required: --prompt"),  # GEN without --prompt, below
     "unknown dtype": (["--dtype", "float64"], 2, "argument --dtype: invalid choice: 'float64'"),
     "missing image": (["--image", "nope.png"], 2, "--image nope.png: no such file"),

@@ -374,3 +374,47 @@ def test_a_lora_that_does_not_fit_is_refused_before_any_work(wan_base, longlive_
             base, base=wan_base, output=tmp_path / "o", base_model_id="org/w", lora=tmp_path / "lora.pt"
         )
     assert not (tmp_path / "o").exists()
+
+
+def test_converted_krea_samples_with_recompute_by_default(wan_base, tmp_path):  # noqa: F811
+    """`convert --format krea` stores the recompute policy in model_index.json: `pipe(prompt)` re-encodes the context
+    before each chunk (RoPE positions stay below context + chunk), a call may switch back to the sequential cache,
+    and `save_pretrained`/`from_pretrained` keep the settings."""
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    output = tmp_path / "krea"
+    result = convert_checkpoint(
+        write_release(tmp_path, "krea"), base=wan_base, output=output, format="krea", base_model_id="org/w"
+    )
+    stored = {"kv_cache_policy": "recompute", "context_frames": 3, "kv_cache_attention_bias": 0.3}
+    assert set(stored) <= set(result.pipeline_settings) and not result.pending_settings
+    model_index = json.loads((output / "model_index.json").read_text())
+    assert {key: model_index[key] for key in stored} == stored
+    pipe = WanCausalPipeline.from_pretrained(output)
+    pipe.set_progress_bar_config(disable=True)
+    assert {key: pipe.config[key] for key in stored} == stored
+    pipe.save_pretrained(tmp_path / "saved")
+    assert {key: WanCausalPipeline.from_pretrained(tmp_path / "saved").config[key] for key in stored} == stored
+
+    positions = []  # the RoPE end position of every transformer forward
+    forward = pipe.transformer.forward
+
+    def recording(hidden_states, *args, **kwargs):
+        positions.append(kwargs["start_frame"] + hidden_states.shape[2])
+        return forward(hidden_states, *args, **kwargs)
+
+    pipe.transformer.forward = recording
+    call = {"height": 16, "width": 16, "num_frames": 45, "num_inference_steps": 2, "output_type": "latent"}
+    try:
+        default = pipe("a cat", generator=torch.Generator().manual_seed(0), **call).frames
+        recompute_positions, positions[:] = max(positions), []
+        explicit = pipe("a cat", generator=torch.Generator().manual_seed(0), kv_cache_policy="recompute",
+                        context_frames=3, kv_cache_attention_bias=0.3, **call).frames  # fmt: skip
+        positions.clear()
+        sequential = pipe("a cat", generator=torch.Generator().manual_seed(0), kv_cache_policy="sequential", **call)
+    finally:
+        del pipe.transformer.forward
+    chunk = pipe.transformer.config.chunk_size
+    assert recompute_positions <= 3 + chunk < max(positions) == default.shape[2]
+    torch.testing.assert_close(default, explicit, rtol=0, atol=0)
+    assert not torch.equal(default, sequential.frames)

@@ -56,6 +56,13 @@ def _value(value) -> str:
     return str(value)
 
 
+# The stored settings a `pipe(...)` call takes as arguments, in the order the card spells them out.
+_CALL_DEFAULTS = (
+    "timesteps", "context_noise", "first_chunk_timesteps", "attention_window", "sink_frames", "kv_cache_policy",
+    "context_frames", "kv_cache_attention_bias",
+)  # fmt: skip
+
+
 def model_card(
     result: ConversionResult,
     *,
@@ -90,7 +97,7 @@ def model_card(
     )
     defaults = ", ".join(
         f"{key}={_value(settings[key])}"
-        for key in ("timesteps", "context_noise", "first_chunk_timesteps", "attention_window", "sink_frames")
+        for key in _CALL_DEFAULTS
         if key in result.pipeline_settings and settings[key] is not None
     )
     lora = ""

@@ -143,6 +143,12 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             Stored default sliding attention window in latent frames (the one the student was trained with).
         sink_frames (`int`, defaults to `0`):
             Stored default sink frames of the window.
+        kv_cache_policy (`str`, *optional*):
+            Stored default KV cache policy (`"sequential"` or `"recompute"`, Krea's); `None` stores none.
+        context_frames (`int`, *optional*):
+            Stored default clean frames the recompute policy re-encodes before each chunk.
+        kv_cache_attention_bias (`float`, *optional*):
+            Stored default attention weight on cached frames under the recompute policy (Krea: 0.3).
 
     A pipeline runs one rollout at a time: its KV caches live in the transformer. A call while a `stream()` of the same
     pipeline (or of one sharing its transformer) is open, or from a second thread while one runs, raises a
@@ -165,6 +171,9 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         first_chunk_timesteps: list[float] | None = None,
         attention_window: int | None = None,
         sink_frames: int = 0,
+        kv_cache_policy: str | None = None,
+        context_frames: int | None = None,
+        kv_cache_attention_bias: float | None = None,
     ):
         super().__init__()
         if transformer is not None and not isinstance(transformer, self._transformer_class):
@@ -184,6 +193,9 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             first_chunk_timesteps=None if first_chunk_timesteps is None else list(first_chunk_timesteps),
             attention_window=attention_window,
             sink_frames=sink_frames,
+            kv_cache_policy=kv_cache_policy,
+            context_frames=context_frames,
+            kv_cache_attention_bias=kv_cache_attention_bias,
         )
         self._init_rollout_state()
         self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal if getattr(self, "vae", None) else 4

@@ -164,10 +164,13 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         first_chunk_timesteps: list[float] | None = None,
         attention_window: int | None = None,
         sink_frames: int = 0,
+        kv_cache_policy: str | None = None,
+        context_frames: int | None = None,
+        kv_cache_attention_bias: float | None = None,
     ):
         super().__init__(
             tokenizer, text_encoder, vae, scheduler, transformer, timesteps, context_noise, first_chunk_timesteps,
-            attention_window, sink_frames,
+            attention_window, sink_frames, kv_cache_policy, context_frames, kv_cache_attention_bias,
         )  # fmt: skip
         self.register_modules(image_processor=image_processor, image_encoder=image_encoder)
         self.register_to_config(expand_timesteps=expand_timesteps)

@@ -66,10 +66,13 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         first_chunk_timesteps: list[float] | None = None,
         attention_window: int | None = None,
         sink_frames: int = 0,
+        kv_cache_policy: str | None = None,
+        context_frames: int | None = None,
+        kv_cache_attention_bias: float | None = None,
     ):
         super().__init__(
             tokenizer, text_encoder, vae, scheduler, transformer, timesteps, context_noise, first_chunk_timesteps,
-            attention_window, sink_frames,
+            attention_window, sink_frames, kv_cache_policy, context_frames, kv_cache_attention_bias,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ loading

@@ -178,7 +178,8 @@ class CausalRolloutMixin(PromptScheduleMixin):
         * ``context_noise``: the stored one (0 by default).
         * ``attention_window`` / ``sink_frames``: the stored ones when a ``kv_cache_engine`` is configured.
         * a ``PipelineCallback``'s ``tensor_inputs``.
-        * ``kv_cache_policy`` / ``context_frames`` / ``kv_cache_attention_bias``: the stored ones, when present.
+        * ``kv_cache_policy`` / ``context_frames`` / ``kv_cache_attention_bias``: the stored ones, when present and
+          the call names no other policy.
         """
         config = self.config
         changes: dict[str, Any] = {}
@@ -197,9 +198,13 @@ class CausalRolloutMixin(PromptScheduleMixin):
             changes["attention_window"] = config.get("attention_window")
         if options.sink_frames is None:
             changes["sink_frames"] = config.get("sink_frames", 0) if stored else 0
-        for name in ("kv_cache_policy", "context_frames", "kv_cache_attention_bias"):
-            if hasattr(options, name) and getattr(options, name) is None and config.get(name) is not None:
-                changes[name] = config.get(name)
+        # A call naming its own policy (say "sequential" over a stored "recompute") takes none of the stored
+        # recompute settings; otherwise the stored ones fill what the call leaves out.
+        own_policy = getattr(options, "kv_cache_policy", None)
+        if own_policy is None or own_policy == config.get("kv_cache_policy"):
+            for name in ("kv_cache_policy", "context_frames", "kv_cache_attention_bias"):
+                if hasattr(options, name) and getattr(options, name) is None and config.get(name) is not None:
+                    changes[name] = config.get(name)
         return replace(options, **changes)
 
     @staticmethod
