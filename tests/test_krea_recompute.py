@@ -268,6 +268,30 @@ def test_stream_recompute_cache_stays_at_the_context(pipe):
     torch.testing.assert_close(torch.cat([c.latents for c in chunks], 2), stored, rtol=0, atol=1e-5)
 
 
+def test_one_policy_object_serves_interleaved_rollouts():
+    """A policy holds no per-rollout state (the context frames live on the session): two pipelines sharing one
+    `RecomputePolicy` and streaming in turn give what each gives alone."""
+    policy = RecomputePolicy(2, kv_cache_attention_bias=0.5)
+    call = {**CALL, "num_frames": 61, "output_type": "latent", "kv_cache_policy": "recompute", "context_frames": 2}
+    pipes = [tiny_pipeline(seed) for seed in (0, 1)]
+    for p in pipes:
+        p.set_progress_bar_config(disable=True)
+        p.select_policy = lambda options: policy  # a pipeline subclass's select_policy returning one shared object
+
+    def stream(p, seed):
+        return p.stream(generator=torch.Generator().manual_seed(seed), **call)
+
+    alone = [torch.cat([c.latents for c in stream(p, seed)], 2) for seed, p in enumerate(pipes)]
+    streams = [stream(p, seed) for seed, p in enumerate(pipes)]
+    chunks = [[], []]
+    for pair in zip(*streams):  # chunk 0 of each, then chunk 1 of each, ...
+        for index, chunk in enumerate(pair):
+            chunks[index].append(chunk.latents)
+    for index in range(2):
+        assert torch.equal(torch.cat(chunks[index], 2), alone[index])
+    assert set(vars(policy)) == {"context_frames", "anchor", "kv_cache_attention_bias"}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

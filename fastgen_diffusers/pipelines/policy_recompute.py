@@ -26,6 +26,7 @@ The cache pass runs at the session's context timestep (``context_noise``; Krea's
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -72,6 +73,25 @@ def check_recompute_inputs(
         )
     if keep_cache or recache:
         raise ValueError("`kv_cache_policy='recompute'` does not support `keep_cache` or `recache` yet.")
+
+
+@dataclass
+class ContextFrames:
+    """The finished frames a recompute rollout builds its next context from (kept on the session)."""
+
+    first: torch.Tensor | None = None  # (B, C, 1, H, W): the video's first latent frame
+    recent: torch.Tensor | None = None  # (B, C, <= context_frames, H, W): the last frames
+    last_chunk: torch.Tensor | None = None  # (B, C, F_chunk, H, W)
+    num_frames: int = 0
+
+    def add(self, clean: torch.Tensor, context_frames: int) -> None:
+        """Take a finished chunk ``clean`` ``(B, C, F_chunk, H, W)``, keeping only what a context can use."""
+        if self.first is None:
+            self.first = clean[:, :, :1]
+        recent = clean if self.recent is None else torch.cat([self.recent, clean], dim=2)
+        self.recent = recent[:, :, max(recent.shape[2] - context_frames, 0) :]
+        self.last_chunk = clean
+        self.num_frames += clean.shape[2]
 
 
 class RecomputePolicy(SequentialPolicy):
@@ -126,17 +146,18 @@ class RecomputePolicy(SequentialPolicy):
 
     def run(self, pipe, session, plan, source, **options):
         """[`SequentialPolicy.run`] with the cache rebuilt before each chunk and no cache pass after it; a prompt
-        switch needs no recache (the next rebuild runs under the new prompt)."""
+        switch needs no recache (the next rebuild runs under the new prompt). The frames the next context needs live
+        on the session (``session.policy_state``), so one policy object can serve several rollouts at once."""
         session.attention_bias = self.kv_cache_attention_bias
-        self._first = self._recent = self._last_chunk = None  # the first frame, the last `context_frames`, last chunk
-        self._num_frames = 0
+        session.policy_state = ContextFrames()
         yield from super().run(pipe, session, plan, source, **{**options, "recache": False})
 
     def chunk_position(self, session: RolloutSession, span: ChunkSpan) -> ChunkSpan:
         """Rebuild the cache over the clean context (not before the first chunk), then sit the chunk right after it."""
-        if self._first is None:
+        done: ContextFrames = session.policy_state
+        if done.first is None:
             return span
-        context = self.context_of(span.index, self._first, self._recent, self._num_frames, self._last_chunk)
+        context = self.context_of(span.index, done.first, done.recent, done.num_frames, done.last_chunk)
         self.rebuild(session, span, context)
         start = context.shape[2]
         return ChunkSpan(span.index, start, start + span.end - span.start)
@@ -146,11 +167,6 @@ class RecomputePolicy(SequentialPolicy):
     ) -> None:
         """No cache pass (the next rebuild replaces this chunk's noisy K/V); remember the frames the next context
         needs."""
-        if self._first is None:
-            self._first = clean[:, :, :1]
-        recent = clean if self._recent is None else torch.cat([self._recent, clean], dim=2)
-        self._recent = recent[:, :, max(recent.shape[2] - self.context_frames, 0) :]
-        self._num_frames += clean.shape[2]
-        self._last_chunk = clean
+        session.policy_state.add(clean, self.context_frames)
         session.record(span, clean, None)
         return None

@@ -163,7 +163,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         """The [`RolloutPolicy`] that runs a call: the pipeline's ``default_policy`` (a policy option of the call,
         e.g. a recompute or rolling-window policy, is resolved here): ``kv_cache_policy="recompute"`` gives a
         [`RecomputePolicy`] over ``context_frames`` with ``kv_cache_attention_bias``."""
-        # the text-to-video rollouts only (video-to-video keeps its own policy; recompute there is left to #14)
+        # the text-to-video rollouts only (video-to-video keeps its own policy: recompute does not drive it yet)
         if getattr(options, "kv_cache_policy", None) == RECOMPUTE and type(self.default_policy) is SequentialPolicy:
             bias = 1.0 if options.kv_cache_attention_bias is None else float(options.kv_cache_attention_bias)
             return RecomputePolicy(options.context_frames, kv_cache_attention_bias=bias)
