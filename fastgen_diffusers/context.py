@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from .kv_cache import BaseKVCacheEngine, CrossKVMode
-from .kv_cache.masks import BlockMaskMemo
+from .kv_cache.masks import AttentionBias, BlockMaskMemo
+
+ANCHOR_FRAME = 0  # the frame a KV-cache attention bias spares: the video's first latent frame (see below)
 
 
 @dataclass
@@ -33,7 +35,8 @@ class CausalContext:
         committed: set once the forward's cache writes are committed; a gradient-checkpointing recompute of its
             blocks then writes nothing again.
         attention_bias: Krea's KV-cache attention bias in ``(0, 1]``: a denoising forward (``store_kv=False``) adds
-            ``log(attention_bias)`` to the logits of the cached keys after the first frame (the anchor); 1: off.
+            ``log(attention_bias)`` to the logits of the cached keys other than the anchor (frame 0) and the query's
+            own chunk (:meth:`biased_key_frames`); 1: off, no mask built.
     """
 
     cache_engines: Mapping[str, BaseKVCacheEngine]
@@ -80,22 +83,64 @@ class CausalContext:
             self.mask_backend, engine.window, self.start_frame, self.chunk_layout, self.frame_seqlen, device
         )
 
-    def self_attention_bias(self, engine: BaseKVCacheEngine, device: torch.device) -> torch.Tensor | None:
-        """Additive float mask ``(1, 1, 1, P + L)`` over ``[cached frames 0 .. start_frame | this call]``: 0 on the
-        first cached frame (the anchor) and on the call's keys, ``log(attention_bias)`` on the other cached keys.
+    def biased_key_frames(
+        self, engine: BaseKVCacheEngine, slot_frames: tuple[int, ...] | None = None
+    ) -> tuple[tuple[bool, ...], ...] | None:
+        """Which key frames of this call's self-attention get ``log(attention_bias)``: one row of flags per chunk of
+        the call (one row for a single-chunk call), a flag per key frame in the order attention reads them.
 
-        ``None`` (no mask at all) when the bias is 1, on a cache pass, or when no cached key is biased.
+        The rule (Krea's KV-cache attention bias, extended to every forward an engine serves): on a denoising forward
+        (``store_kv=False``; cache passes are never biased), a query of the chunk starting at frame ``s`` biases the
+        keys of the frames ``1 <= f < s`` it sees: every cached key except the anchor and its own chunk.
+
+        * The anchor is the video's first latent frame (frame 0, the first frame the cache holds; under a
+          recompute rollout, the first frame of the rebuilt context). Under a window with a sink it is the sink's
+          first frame, always visible; the sink's other frames are biased like any past frame. Under a window
+          without a sink frame 0 leaves the window, and then every cached key the chunk sees is biased.
+        * A call of several chunks: a query's "current chunk" is its own chunk, so the keys of the call's earlier
+          chunks count as cached (they are the past of that chunk; run chunk by chunk, they would be in the cache).
+          Keys of its own and later chunks are never biased (the later ones are masked anyway).
+        * Key order: ``slot_frames`` (a static engine's in-place call: the frame each valid slot holds, ring order
+          once a window wraps), else the gathered prefix in frame order followed by the call's frames.
+
+        ``None`` when nothing is biased: the bias is 1, a cache pass, or no visible key qualifies (then no mask is
+        built at all).
         """
         if self.attention_bias == 1.0 or self.store_kv:
             return None
-        if engine.window.bounded or self.is_multi_chunk:
-            raise ValueError(
-                "`kv_cache_attention_bias` is defined on single-chunk forwards over an unwindowed cache (the "
-                "recompute policy's); this forward has a sliding window or several chunks."
-            )
-        prefix = self.start_frame * self.frame_seqlen
-        if prefix <= self.frame_seqlen:
-            return None
-        bias = torch.zeros(1, 1, 1, prefix + self.num_frames * self.frame_seqlen, device=device)
-        bias[..., self.frame_seqlen : prefix] = math.log(self.attention_bias)
-        return bias
+        if slot_frames is None:
+            prefix = engine.prefix_key_frames(self.cache_tag, self.start_frame, self.chunk_layout[0])
+            frames = [*prefix, *range(self.start_frame, self.start_frame + self.num_frames)]
+        else:
+            frames = slot_frames
+        starts, start = [], self.start_frame
+        for chunk_frames in self.chunk_layout:
+            starts.append(start)
+            start += chunk_frames
+        rows = tuple(tuple(ANCHOR_FRAME < frame < chunk_start for frame in frames) for chunk_start in starts)
+        return rows if any(any(row) for row in rows) else None
+
+    def self_attention_masks(
+        self, engine: BaseKVCacheEngine, device: torch.device, slot_frames: tuple[int, ...] | None = None
+    ) -> tuple[Any, AttentionBias | None]:
+        """``(mask, bias)`` of this call's self-attention over ``engine``'s keys (see :meth:`biased_key_frames`).
+
+        Without a bias: ``(self_attention_mask(...), None)`` (``None`` for a single-chunk call or an in-place static
+        call, ``slot_frames`` given). With one, on the ``"sdpa"`` mask backend the bias is folded into an additive
+        float mask (``(1, 1, 1, Lk)`` for one chunk, the block-causal mask with ``-inf`` plus the bias
+        ``(1, 1, L, Lk)`` for several) and the second item is ``None``; on ``"flex"`` the mask is the ``BlockMask``
+        (``None`` for one chunk) and the bias an :class:`AttentionBias` for the processor's ``score_mod``.
+        """
+        biased = self.biased_key_frames(engine, slot_frames)
+        if biased is None:
+            return (None if slot_frames is not None else self.self_attention_mask(engine, device)), None
+        return self.block_masks.bias(
+            self.mask_backend,
+            engine.window,
+            self.start_frame,
+            self.chunk_layout,
+            self.frame_seqlen,
+            device,
+            biased,
+            math.log(self.attention_bias),
+        )

@@ -320,6 +320,11 @@ class BaseKVCacheEngine:
     def _reserve(self, state: TagState, cache_tag: str, max_frames: int | None) -> None:
         """Preallocating engines grow their buffers here."""
 
+    def prefix_key_frames(self, cache_tag: str, start_frame: int, first_chunk_frames: int = 1) -> list[int]:
+        """The latent frame of each frame of keys :meth:`get_self_prefix` returns, in its order (frame order)."""
+        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames)
+        return [*range(sink_end), *range(recent_start, start_frame)]
+
     def get_self_prefix(self, block_idx: int, cache_tag: str, start_frame: int, first_chunk_frames: int = 1):
         """Cached ``(key, value)``, each ``(B, prefix_tokens, H, D)`` in frame order, visible to a call at
         ``start_frame`` whose first chunk has ``first_chunk_frames`` frames (the window shrinks as it grows).

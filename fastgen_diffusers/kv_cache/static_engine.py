@@ -69,10 +69,14 @@ class StaticCall:
             to, the buffer's first ones. A shape, not a Python int: ``torch.compile`` sees it as a dynamic size
             (marked so), so one graph serves every chunk and every window position with no recompile, and attention
             reads exactly the valid slots (no work on masked keys).
+        slot_frames: the latent frame each of those valid slots holds once the call's K/V are written, slot by slot
+            (frame order until a window's ring wraps, then the sink followed by the ring's order): what attention
+            reads, for a per-key attention bias.
     """
 
     write_index: torch.Tensor
     valid_length: torch.Tensor
+    slot_frames: tuple[int, ...] = ()
 
     @property
     def valid_tokens(self) -> int:
@@ -297,9 +301,21 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         )
         valid_length = torch.empty(self.window.slots(end_frame) * seqlen, 0, device=state.device)
         torch._dynamo.maybe_mark_dynamic(valid_length, 0)
-        call = StaticCall(write_index, valid_length)
+        call = StaticCall(write_index, valid_length, self._slot_frames(end_frame))
         self._last_static_call = (key, call)
         return call
+
+    def _slot_frames(self, end_frame: int) -> tuple[int, ...]:
+        """The frame each of the first ``window.slots(end_frame)`` slots holds once frames ``[0, end_frame)`` have
+        been written (the sink and the most recent frames under a window)."""
+        window = self.window
+        if window.all_seen_until(end_frame):
+            return tuple(range(end_frame))
+        frames = [0] * window.frames
+        for first, last in ((0, window.sink), (end_frame - window.room, end_frame)):
+            for frame, slot, count in self._slot_runs(first, last):
+                frames[slot : slot + count] = range(frame, frame + count)
+        return tuple(frames)
 
     def static_buffers(self, block_idx: int, cache_tag: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The fixed-size K/V buffers ``(B, capacity * S, H, D)`` of one block and tag."""

@@ -225,7 +225,8 @@ class CausalWanMixin:
 
     def set_block_mask_backend(self, backend: str) -> None:
         """Backend of the block-causal mask of multi-chunk calls: ``"auto"`` (FlexAttention on CUDA, SDPA elsewhere),
-        ``"sdpa"`` (exact boolean mask) or ``"flex"`` (FlexAttention ``BlockMask``; eager on CPU)."""
+        ``"sdpa"`` (exact boolean mask) or ``"flex"`` (FlexAttention ``BlockMask``; eager on CPU). The KV-cache
+        attention bias follows it: an additive float mask on ``"sdpa"``, a ``score_mod`` on ``"flex"``."""
         if backend not in MASK_BACKEND_CHOICES:
             raise ValueError(f"`backend` must be one of {MASK_BACKEND_CHOICES}, got {backend!r}.")
         self.block_mask_backend = backend
@@ -464,7 +465,8 @@ class CausalWanMixin:
 
         Decided here, once per forward and outside any compiled region: the cross K/V mode and cached entries, and for
         self-attention either the static engine's fixed buffers with this call's slots (a call at the end of the cache)
-        or the visible prefix and the block-causal mask. The blocks then run pure tensor code.
+        or the visible prefix and the block-causal mask, and the attention bias over the keys in the order the
+        attention reads them (:meth:`CausalContext.self_attention_masks`). The blocks then run pure tensor code.
         """
         first_chunk = ctx.chunk_layout[0]
         inputs = {}
@@ -476,8 +478,8 @@ class CausalWanMixin:
                 if static_call is None
                 else static_call(ctx.cache_tag, ctx.start_frame, ctx.num_frames, first_chunk)
             )
-            mask = None if static is not None else ctx.self_attention_mask(engine, device)
-            bias = ctx.self_attention_bias(engine, device)
+            slot_frames = None if static is None else static.slot_frames
+            mask, bias = ctx.self_attention_masks(engine, device, slot_frames)
             store = ctx.store_kv and not ctx.committed
             per_block = []
             for block_idx in range(engine.num_blocks):
@@ -489,6 +491,7 @@ class CausalWanMixin:
                         static=True,
                         write_index=static.write_index,
                         valid_length=static.valid_length,
+                        mask=mask,
                         bias=bias,
                     )
                 else:
@@ -825,8 +828,10 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
             return_dict: return a ``Transformer2DModelOutput`` instead of a tuple.
             attention_kwargs: only ``scale`` (LoRA scale) is read.
             kv_cache_attention_bias: Krea's bias in ``[0.01, 1]``: on a denoising forward (``store_kv=False``) the
-                logits of the cached keys after the first cached frame (the anchor) get ``log(bias)`` added, as an
-                additive float mask; 1 (default): no mask at all.
+                logits of the cached keys other than the anchor (the video's first frame) and the query's own chunk
+                get ``log(bias)`` added (:meth:`CausalContext.biased_key_frames`), with or without a window, in
+                single- and multi-chunk calls: an additive float mask on the SDPA mask backend, a ``score_mod`` on
+                FlexAttention (:meth:`set_block_mask_backend`); 1 (default): no mask at all.
 
         Returns:
             ``(B, C_out, F, H, W)`` flow prediction, like ``WanTransformer3DModel``.

@@ -23,6 +23,7 @@ from diffusers.models.transformers.transformer_wan import _get_added_kv_projecti
 from diffusers.utils import logging
 
 from ..kv_cache import CrossKVMode
+from ..kv_cache.masks import AttentionBias
 from ..parallel import context_parallel_config, heads_to_sequence, sequence_to_heads
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
@@ -36,10 +37,10 @@ class SelfAttentionInputs:
 
     * ``static=True`` (static engine, a call at the end of its cache, no gradients): ``key_cache``/``value_cache``
       are the engine's fixed-size buffers ``(B, C, H, D)``. The call's K/V are written in place at ``write_index``
-      ``(L,)`` (their slots); attention then runs over the buffer's first ``V`` tokens, a view with nothing masked,
-      where ``V`` is the first size of ``valid_length`` ``(V, 0)``: a tensor shape that ``torch.compile`` treats as
-      dynamic, so every chunk of a rollout and of a windowed stream reuses one graph and attention does no work on
-      slots that hold nothing yet.
+      ``(L,)`` (their slots); attention then runs over the buffer's first ``V`` tokens, a view with nothing masked
+      (an attention bias aside, see below), where ``V`` is the first size of ``valid_length`` ``(V, 0)``: a tensor
+      shape that ``torch.compile`` treats as dynamic, so every chunk of a rollout and of a windowed stream reuses one
+      graph and attention does no work on slots that hold nothing yet.
     * ``static=False``: ``key_cache``/``value_cache`` are the visible cached prefix ``(B, P, H, D)`` in frame order
       (``None``: nothing visible); attention runs over ``[prefix | call]`` under ``mask`` (a block-causal mask for a
       multi-chunk call, else ``None``). With ``store=True`` the call's K/V are handed back in ``new_key``/``new_value``
@@ -47,8 +48,11 @@ class SelfAttentionInputs:
       block runs ([`load`]) and dropped after it ([`release`]), so that a forward holds one block's gathered copy at a
       time, not a copy of the whole cache.
 
-    ``bias`` (either layout): an additive float mask ``(1, 1, 1, Lk)`` over all the keys attended (a per-key attention
-    bias the context decided), added to the scaled logits; ``None``: no mask.
+    ``mask`` (either layout; the static one only for a bias): a boolean or additive float ``(1, 1, Lq or 1, Lk)``
+    tensor for SDPA, or a FlexAttention ``BlockMask``, over all the keys attended in the order they are read.
+    ``bias``: an :class:`AttentionBias` the processor adds to the scaled logits in a FlexAttention ``score_mod``
+    (with ``mask`` as the ``BlockMask`` when there is one). The model decides both (which keys, which values); the
+    processor adds what it is given. Both ``None``: no mask at all.
     """
 
     key_cache: torch.Tensor | None = None
@@ -61,7 +65,7 @@ class SelfAttentionInputs:
     new_key: torch.Tensor | None = None
     new_value: torch.Tensor | None = None
     load_prefix: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None
-    bias: torch.Tensor | None = None
+    bias: AttentionBias | None = None
 
     @torch._dynamo.disable
     def load(self) -> None:
@@ -154,15 +158,35 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
-def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> torch.Tensor:
-    """Attention of ``(B, Lq, H, D)`` queries over ``(B, Lk, H, D)`` keys under a block-causal mask.
+def _bias_score_mod(bias: AttentionBias) -> Callable:
+    """The FlexAttention ``score_mod`` adding ``bias`` to the scaled logits (built where it runs, so that a compiled
+    block traces it with the bias tensors as inputs)."""
+    rows, query_row = bias.rows, bias.query_row
+    if query_row is None:
 
-    ``mask`` is a ``(1, 1, Lq or 1, Lk)`` tensor (SDPA: boolean, True = attend, or additive) or a FlexAttention
-    ``BlockMask``. The masked path never
-    goes through a backend that could drop the mask.
+        def score_mod(score, batch, head, q_idx, kv_idx):
+            return score + rows[0, kv_idx].to(score.dtype)
+
+    else:
+
+        def score_mod(score, batch, head, q_idx, kv_idx):
+            return score + rows[query_row[q_idx], kv_idx].to(score.dtype)
+
+    return score_mod
+
+
+def masked_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, bias: AttentionBias | None = None
+) -> torch.Tensor:
+    """Attention of ``(B, Lq, H, D)`` queries over ``(B, Lk, H, D)`` keys under a mask and/or an additive bias.
+
+    ``mask`` is a ``(1, 1, Lq or 1, Lk)`` tensor (SDPA: boolean, True = attend, or additive float), a FlexAttention
+    ``BlockMask`` or ``None``; ``bias`` (:class:`AttentionBias`) runs FlexAttention with a ``score_mod`` adding it
+    (and ``mask`` as its ``BlockMask``). The masked path never goes through a backend that could drop the mask.
     """
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
-    if isinstance(mask, torch.Tensor):
+    if bias is None and isinstance(mask, torch.Tensor):
+        mask = mask if mask.dtype == torch.bool else mask.to(query.dtype)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
     else:
         from torch.nn.attention.flex_attention import flex_attention
@@ -170,7 +194,8 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         # Inside a compiled region flex_attention is compiled with it; eager, CUDA runs a compiled kernel.
         compiled = query.is_cuda and not torch.compiler.is_compiling()
         flex = _compiled_flex_attention() if compiled else flex_attention
-        out = flex(query, key, value, block_mask=mask)
+        score_mod = None if bias is None else _bias_score_mod(bias)
+        out = flex(query, key, value, score_mod=score_mod, block_mask=mask)
     return out.transpose(1, 2)
 
 
@@ -220,12 +245,10 @@ class WanCausalAttnProcessor:
             if inputs.key_cache is not None:
                 full_key = torch.cat([inputs.key_cache, key], dim=1)
                 full_value = torch.cat([inputs.value_cache, value], dim=1)
-            if inputs.bias is not None:
-                hidden_states = masked_attention(query, full_key, full_value, inputs.bias.to(query.dtype))
-            elif inputs.mask is None:
+            if inputs.mask is None and inputs.bias is None:
                 hidden_states = dispatch_attention_fn(query, full_key, full_value, backend=self._attention_backend)
             else:
-                hidden_states = masked_attention(query, full_key, full_value, inputs.mask)
+                hidden_states = masked_attention(query, full_key, full_value, inputs.mask, inputs.bias)
             if inputs.store:
                 # Contiguous: with fused projections `value` is a view that would keep the whole QKV output alive.
                 inputs.new_key, inputs.new_value = key.detach().contiguous(), value.detach().contiguous()
@@ -238,14 +261,15 @@ class WanCausalAttnProcessor:
 
     def _static_attention(self, query, key, value, inputs: SelfAttentionInputs) -> torch.Tensor:
         """Write this call's K/V into their slots of the fixed buffers, then attend to the valid slots (a view of the
-        buffers' first ``valid_length.shape[0]`` tokens: a dynamic size under ``torch.compile``, no mask)."""
+        buffers' first ``valid_length.shape[0]`` tokens: a dynamic size under ``torch.compile``; no mask, except an
+        attention bias over those slots in slot order)."""
         key_cache, value_cache = inputs.key_cache, inputs.value_cache
         key_cache.index_copy_(1, inputs.write_index, key.to(key_cache.dtype))
         value_cache.index_copy_(1, inputs.write_index, value.to(value_cache.dtype))
         valid = inputs.valid_length.shape[0]
-        if inputs.bias is not None:
+        if inputs.mask is not None or inputs.bias is not None:  # a bias over the slots, in slot order
             key, value = key_cache[:, :valid].to(query.dtype), value_cache[:, :valid].to(query.dtype)
-            return masked_attention(query, key, value, inputs.bias.to(query.dtype))
+            return masked_attention(query, key, value, inputs.mask, inputs.bias)
         return dispatch_attention_fn(
             query, key_cache[:, :valid], value_cache[:, :valid], backend=self._attention_backend
         )
