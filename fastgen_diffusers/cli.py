@@ -80,7 +80,8 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     long_videos.add_argument(
         "--kv-cache-attention-bias",
         type=float,
-        help="attention weight on cached frames under --kv-cache-policy recompute, in [0.01, 1] (1 = off)",
+        help="attention weight on cached frames other than the first during denoising (Krea's, with --kv-cache-policy "
+        "recompute; any policy and window), in [0.01, 1] (1 = off)",
     )
     parser.add_argument(
         "--stream", action="store_true", help="write frames to the video as chunks finish; print time to first frames"

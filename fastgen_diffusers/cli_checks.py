@@ -95,12 +95,14 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 
 def check_kv_cache_policy(args: argparse.Namespace) -> None:
-    """``--context-frames`` >= 1 and ``--kv-cache-attention-bias`` in [0.01, 1], both only with ``--kv-cache-policy
-    recompute``, which does not combine with ``--attention-window``/``--sink-frames``."""
+    """``--context-frames`` >= 1, only with ``--kv-cache-policy recompute``, which does not combine with
+    ``--attention-window``/``--sink-frames``; ``--kv-cache-attention-bias`` in [0.01, 1] (any policy)."""
     recompute = getattr(args, "kv_cache_policy", None) == "recompute"
-    for name in ("context_frames", "kv_cache_attention_bias"):
-        if getattr(args, name, None) is not None and not recompute:
-            raise UsageError(f"{flag(name)} needs --kv-cache-policy recompute.")
+    bias = getattr(args, "kv_cache_attention_bias", None)
+    if bias is not None and not (math.isfinite(bias) and 0.01 <= bias <= 1):
+        raise UsageError(f"--kv-cache-attention-bias must be in [0.01, 1] (1 = off), got {bias}.")
+    if getattr(args, "context_frames", None) is not None and not recompute:
+        raise UsageError(f"{flag('context_frames')} needs --kv-cache-policy recompute.")
     if not recompute:
         return
     if args.attention_window is not None or args.sink_frames is not None:
@@ -110,9 +112,6 @@ def check_kv_cache_policy(args: argparse.Namespace) -> None:
         )
     if args.context_frames is not None:
         _at_least(args, "context_frames", 1)
-    bias = args.kv_cache_attention_bias
-    if bias is not None and not (math.isfinite(bias) and 0.01 <= bias <= 1):
-        raise UsageError(f"--kv-cache-attention-bias must be in [0.01, 1] (1 = off), got {bias}.")
 
 
 def _wants_vace(args: argparse.Namespace) -> bool:

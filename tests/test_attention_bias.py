@@ -213,8 +213,8 @@ def test_bias_one_builds_no_mask_and_is_bit_identical(data, monkeypatch, case, b
     if frames == CHUNK:
         assert given_plain.mask is None  # no mask tensor at all
     else:
-        assert given_plain.mask is model.block_masks.get(backend, model.kv_cache_engines["main"].window, start,
-                                                         model.chunk_layout_for(frames, start), SEQLEN, "cpu")  # fmt: skip
+        window, layout = model.kv_cache_engines["main"].window, model.chunk_layout_for(frames, start)
+        assert given_plain.mask is model.block_masks.get(backend, window, start, layout, SEQLEN, "cpu")  # plain mask
 
 
 def test_cache_passes_and_calls_with_nothing_to_bias_build_no_mask(data, monkeypatch):
@@ -322,3 +322,60 @@ def test_krea_tiny_biased_calls_match_the_unpadded_reference_on_both_backends(ba
         worst = max(worst, (out - outputs[name]).abs().max().item())
         denoise_calls += not call["recompute"]
     assert denoise_calls == 16 and worst <= 1e-5, worst
+
+
+# ---------------------------------------------------------------------------------------------- through the pipeline
+WINDOWED = {"prompt": "a cat", "height": 16, "width": 16, "num_frames": 61, "num_inference_steps": 2}
+WINDOWED |= {"attention_window": 6, "sink_frames": 1, "output_type": "latent"}  # 16 latent frames: the ring wraps
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    from fastgen_diffusers.testing import tiny_pipeline
+
+    pipe = tiny_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def windowed_latents(pipe, **kwargs):
+    return pipe(generator=torch.Generator().manual_seed(0), **{**WINDOWED, **kwargs}).frames
+
+
+def test_windowed_sequential_rollout_takes_the_bias_on_its_denoising_forwards_only(pipe):
+    """``kv_cache_attention_bias`` with the plain windowed policy: the denoising forwards get it, the cache passes
+    do not; the static (ring order) and vanilla (frame order) engines agree; 1 is the unbiased rollout exactly."""
+    forwards = []
+    forward = pipe.transformer.forward
+
+    def recording(*args, **kwargs):
+        forwards.append((kwargs["store_kv"], kwargs.get("kv_cache_attention_bias", 1.0)))
+        return forward(*args, **kwargs)
+
+    pipe.transformer.forward = recording
+    try:
+        static = windowed_latents(pipe, kv_cache_attention_bias=BIAS)
+    finally:
+        del pipe.transformer.forward
+    assert {bias for store, bias in forwards if store} == {1.0}
+    assert {bias for store, bias in forwards if not store} == {BIAS}
+    vanilla = windowed_latents(pipe, kv_cache_attention_bias=BIAS, kv_cache_engine="vanilla")
+    assert (static - vanilla).abs().max().item() <= 1e-5
+    plain = windowed_latents(pipe)
+    assert torch.equal(windowed_latents(pipe, kv_cache_attention_bias=1.0), plain)
+    assert (static - plain).abs().max().item() > 1e-3
+
+
+def test_cli_takes_the_bias_with_any_policy():
+    import argparse
+
+    from fastgen_diffusers.cli_checks import UsageError, check_kv_cache_policy
+
+    def args(**kwargs):
+        base = {"kv_cache_policy": None, "context_frames": None, "attention_window": 6, "sink_frames": 1}
+        return argparse.Namespace(**{**base, "kv_cache_attention_bias": 0.3, **kwargs})
+
+    check_kv_cache_policy(args())
+    check_kv_cache_policy(args(kv_cache_policy="sequential"))
+    with pytest.raises(UsageError, match=r"\[0.01, 1\]"):
+        check_kv_cache_policy(args(kv_cache_attention_bias=2.0))

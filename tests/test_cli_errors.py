@@ -122,10 +122,10 @@ CASES = {
     "sink negative": (["--attention-window", "4", "--sink-frames", "-1"], 2, "got -1"),
     "unknown policy": (["--kv-cache-policy", "rolling"], 2, "argument --kv-cache-policy: invalid choice"),
     "context without recompute": (["--context-frames", "3"], 2, "--context-frames needs --kv-cache-policy recompute"),
-    "bias without recompute": (
-        ["--kv-cache-policy", "sequential", "--kv-cache-attention-bias", "0.3"],
+    "bias too small without recompute": (
+        ["--kv-cache-policy", "sequential", "--kv-cache-attention-bias", "0"],
         2,
-        "--kv-cache-attention-bias needs --kv-cache-policy recompute",
+        "--kv-cache-attention-bias must be in [0.01, 1]",
     ),
     "context 0": (
         ["--kv-cache-policy", "recompute", "--context-frames", "0"],

@@ -303,7 +303,6 @@ def test_one_policy_object_serves_interleaved_rollouts():
         ({"kv_cache_policy": "recompute", "context_frames": 3, "keep_cache": True}, "keep_cache"),
         ({"kv_cache_policy": "recompute", "context_frames": 3, "kv_cache_attention_bias": 0.0}, "bias"),
         ({"kv_cache_policy": "recompute", "context_frames": 3, "kv_cache_attention_bias": 1.5}, "bias"),
-        ({"kv_cache_attention_bias": 0.3}, "recompute"),
     ],
 )
 def test_bad_recompute_arguments_raise(pipe, kwargs, message):

@@ -501,8 +501,10 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 Latent frames of the recompute context (>= 1; Krea's `kv_cache_num_frames`, 3); needed by and only
                 allowed with `kv_cache_policy="recompute"`.
             kv_cache_attention_bias (`float`, *optional*):
-                Krea's / scope's attention bias in [0.01, 1] (recompute only): the denoising forwards add `log(bias)`
-                to the logits of the cached keys except the first (anchor) frame; 1 (default) adds no mask at all.
+                Krea's / scope's attention bias in [0.01, 1]: the denoising forwards add `log(bias)` to the logits of
+                the cached keys except the video's first (anchor) frame, under any policy and window (recompute is
+                Krea's; with `attention_window` the anchor is spared while it is in the window, i.e. with
+                `sink_frames >= 1`); 1 (default) adds no mask at all.
 
         Examples:
 

@@ -56,8 +56,6 @@ def check_recompute_inputs(
         bias = kv_cache_attention_bias
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not 0.01 <= float(bias) <= 1.0:
             raise ValueError(f"`kv_cache_attention_bias` must be a number in [0.01, 1], got {bias!r}.")
-        if float(bias) != 1.0 and not recompute:
-            raise ValueError("`kv_cache_attention_bias` below 1 needs `kv_cache_policy='recompute'`.")
     if not recompute:
         if context_frames is not None:
             raise ValueError("`context_frames` needs `kv_cache_policy='recompute'`.")

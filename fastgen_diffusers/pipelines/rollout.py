@@ -293,6 +293,9 @@ class CausalRolloutMixin(PromptScheduleMixin):
             keep_history=options.keep_cache or (options.recache and bool(switches)),
             num_reference_frames=refs,
         )
+        # the KV-cache attention bias of every denoising forward, whatever the policy and window (a recompute policy
+        # sets its own)
+        session.attention_bias = float(options.kv_cache_attention_bias or 1.0)
         policy = self.select_policy(options)
         return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
 

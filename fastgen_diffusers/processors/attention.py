@@ -195,6 +195,9 @@ def masked_attention(
         compiled = query.is_cuda and not torch.compiler.is_compiling()
         flex = _compiled_flex_attention() if compiled else flex_attention
         score_mod = None if bias is None else _bias_score_mod(bias)
+        if torch.compiler.is_compiling() and not query.is_cuda:
+            # inductor's CPU flex template reads a 4-d layout and fails on views of the rotated q/k (torch 2.13)
+            query, key, value = (t.clone(memory_format=torch.contiguous_format) for t in (query, key, value))
         out = flex(query, key, value, score_mod=score_mod, block_mask=mask)
     return out.transpose(1, 2)
 
