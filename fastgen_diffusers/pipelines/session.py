@@ -86,7 +86,7 @@ class RolloutSession:
         tags = branch_cache_tags(branch)
         self.cache_tags: tuple[str, ...] = tags if guidance_scale > 1.0 else tags[:1]
         self.chunks: list[ChunkRecord] = []
-        self.attention_bias = 1.0  # Krea's KV-cache attention bias of the denoising forwards (set by its policy)
+        self.attention_bias = 1.0  # KV-cache attention bias of the denoising forwards (the call's, or its policy's)
         self.policy_state: Any = None  # what the running policy carries from chunk to chunk (policies hold none)
         self.num_latent_frames = 0  # one past the last stored frame
         self.num_chunks = 0
