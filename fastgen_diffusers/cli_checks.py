@@ -51,6 +51,11 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
     if args.model is not None:
         check_model(args.model)
     if args.context_parallel:
+        if _wants_vace(args):  # the VACE transformer refuses it once loaded; say so before the load
+            raise UsageError(
+                "--context-parallel does not support VACE (--control-video, --mask, --reference-image) yet; run it "
+                "in one process."
+            )
         check_context_parallel_launch()
     else:
         check_device(args.device)

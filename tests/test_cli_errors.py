@@ -176,6 +176,11 @@ CASES = {
     "device meta": (["--device", "meta"], 2, "--device meta: holds no data"),
     "context parallel without torchrun": (["--context-parallel", "ulysses"], 2, "launch with `torchrun"),
     "context parallel mode": (["--context-parallel", "ring"], 2, "invalid choice: 'ring'"),
+    "context parallel with VACE": (
+        ["--context-parallel", "ulysses", "--control-video", "{control9_48.gif}"],
+        2,
+        "--context-parallel does not support VACE (--control-video, --mask, --reference-image) yet",
+    ),
     "strength without input video": (["--strength", "0.5"], 2, "--strength needs --input-video"),
     "strength 0 without input video": (["--strength", "0"], 2, "--strength needs --input-video"),
     "motion-aware without input video": (["--motion-aware"], 2, "--motion-aware needs --input-video"),
