@@ -257,7 +257,8 @@ class RolloutSession:
         still holds every frame (no window, or nothing evicted yet); else ``(sink chunks, recent chunks)``: the
         chunks holding a sink frame, and the later chunks holding a frame the window keeps (LongLive re-runs the
         last ``min(window, t)`` frames). The recent ones then see the sink and each other only: the frames
-        before them are evicted, so their K/V past the first block differ from a full re-run's.
+        before them are evicted, so their K/V past the first block differ from a full re-run's. The history holds
+        no other chunk's cache input ([`forget_evicted`]).
         """
         held = self._held_from()
         if held is None:
