@@ -51,7 +51,9 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--height", type=int, help="multiple of 16 (default: 480; 64 for the tiny model)")
     parser.add_argument("--width", type=int, help="multiple of 16 (default: 832; 64 for the tiny model)")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per chunk (default: 4)")
-    parser.add_argument("--guidance-scale", type=float, default=1.0, help="CFG weight; 1 disables CFG (default)")
+    parser.add_argument(
+        "--guidance-scale", type=float, default=1.0, help="CFG weight above 1; 0 or 1: no CFG (default 1)"
+    )
     parser.add_argument("--negative-prompt", help="negative prompt, used when --guidance-scale > 1")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--fps", type=int, default=16, help="frames per second of the video (default: 16)")

@@ -51,6 +51,11 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
     if args.model is not None:
         check_model(args.model)
     if args.context_parallel:
+        if _wants_vace(args):  # the VACE transformer refuses it once loaded; say so before the load
+            raise UsageError(
+                "--context-parallel does not support VACE (--control-video, --mask, --reference-image) yet; run it "
+                "in one process."
+            )
         check_context_parallel_launch()
     else:
         check_device(args.device)
@@ -63,9 +68,9 @@ def _at_least(args: argparse.Namespace, name: str, minimum: int) -> None:
 
 
 def check_numbers(args: argparse.Namespace) -> None:
-    """Frame count 4k+1, size a positive multiple of 16, positive steps and fps, a finite guidance >= 1, a seed torch
-    takes, a positive window with a sink inside it (``0`` is refused, never read as "the default"). ``None`` frame
-    count or size (``--input-video`` without them) is left to the video."""
+    """Frame count 4k+1, size a positive multiple of 16, positive steps and fps, a finite guidance >= 1 or 0, a seed
+    torch takes, a positive window with a sink inside it (``0`` is refused, never read as "the default"). ``None``
+    frame count or size (``--input-video`` without them) is left to the video."""
     if args.num_frames is not None and (args.num_frames < 1 or (args.num_frames - 1) % TEMPORAL_FACTOR):
         raise UsageError(f"--num-frames must be 4k+1 (1, 5, 9, ..., 81: whole latent frames), got {args.num_frames}.")
     for name in ("height", "width"):
@@ -74,10 +79,11 @@ def check_numbers(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag(name)} must be a positive multiple of {SIZE_MULTIPLE}, got {value}.")
     _at_least(args, "steps", 1)
     _at_least(args, "fps", 1)
-    if not math.isfinite(args.guidance_scale) or args.guidance_scale < 1:
+    guidance = args.guidance_scale
+    if not math.isfinite(guidance) or not (guidance == 0 or guidance >= 1):  # the pipelines' `guidance_scale` rule
         raise UsageError(
-            f"--guidance-scale must be a finite number >= 1 (1 disables classifier-free guidance), got "
-            f"{args.guidance_scale}."
+            f"--guidance-scale must be a finite number >= 1 or 0 (0 and 1 disable classifier-free guidance), got "
+            f"{guidance}."
         )
     if not 0 <= args.seed < 2**64:
         raise UsageError(f"--seed must be in [0, 2**64), got {args.seed}.")

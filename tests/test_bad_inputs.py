@@ -138,7 +138,9 @@ CASES = [
         "`negative_prompt_embeds` must hold at least one",
     ),
     # negative guidance
-    ("guidance_scale-negative", "tiv", {"guidance_scale": -1.0}, ValueError, "`guidance_scale` must be at least 0"),
+    ("guidance_scale-negative", "tiv", {"guidance_scale": -1.0}, ValueError, "`guidance_scale` must be a finite num"),
+    # guidance in (0, 1): no CFG runs below 1, so it would silently mean 1 (the CLI refuses it too)
+    ("guidance_scale-half", "tiv", {"guidance_scale": 0.5}, ValueError, "`guidance_scale` must be a finite number >="),
     # pixels outside the documented [0, 1]
     (
         "image-tensor-255",

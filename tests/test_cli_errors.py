@@ -176,6 +176,11 @@ CASES = {
     "device meta": (["--device", "meta"], 2, "--device meta: holds no data"),
     "context parallel without torchrun": (["--context-parallel", "ulysses"], 2, "launch with `torchrun"),
     "context parallel mode": (["--context-parallel", "ring"], 2, "invalid choice: 'ring'"),
+    "context parallel with VACE": (
+        ["--context-parallel", "ulysses", "--control-video", "{control9_48.gif}"],
+        2,
+        "--context-parallel does not support VACE (--control-video, --mask, --reference-image) yet",
+    ),
     "strength without input video": (["--strength", "0.5"], 2, "--strength needs --input-video"),
     "strength 0 without input video": (["--strength", "0"], 2, "--strength needs --input-video"),
     "motion-aware without input video": (["--motion-aware"], 2, "--motion-aware needs --input-video"),
@@ -378,3 +383,44 @@ def test_lazy_package_exports_every_public_name_without_importing_torch(tmp_path
         [sys.executable, "-c", probe], capture_output=True, text=True, env=cli_env(tmp_path), cwd=tmp_path
     )
     assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr
+
+
+@pytest.mark.parametrize("guidance", [-1.0, 0.0, 1e-3, 0.5, 0.999, 1.0, 1.5, 7.0, float("nan"), float("inf")])
+def test_cli_and_pipelines_take_the_same_guidance_scales(guidance, tmp_path):
+    """``--guidance-scale`` and ``guidance_scale=`` accept the same values: 0 or 1 (no guidance) or above 1."""
+    from fastgen_diffusers.cli_checks import UsageError, check_numbers
+    from fastgen_diffusers.pipelines.validation import validate_call_arguments
+
+    args = cli.build_parser().parse_args(
+        [*GEN, "--guidance-scale", str(guidance), "--output", str(tmp_path / "o.mp4")]
+    )
+    args.num_frames = 9
+    try:
+        check_numbers(args)
+        cli_accepts = True
+    except UsageError as error:
+        assert "--guidance-scale must be a finite number >= 1 or 0" in str(error)
+        cli_accepts = False
+    try:
+        validate_call_arguments({"guidance_scale": guidance})
+        python_accepts = True
+    except ValueError as error:
+        assert "`guidance_scale` must be" in str(error)
+        python_accepts = False
+    expected = guidance in (0.0, 1.0, 1.5, 7.0)
+    assert cli_accepts == python_accepts == expected
+
+
+def test_guidance_scale_0_runs_as_1():
+    """0 is diffusers' value for a distilled model: no classifier-free guidance, one forward per step, as 1."""
+    import torch
+
+    from fastgen_diffusers.testing import tiny_pipeline
+
+    pipe = tiny_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    call = {"prompt_embeds": torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(0)), "height": 16}
+    call |= {"width": 16, "num_frames": 9, "num_inference_steps": 1, "output_type": "latent"}
+    zero = pipe(**call, guidance_scale=0.0, generator=torch.Generator().manual_seed(1)).frames
+    one = pipe(**call, guidance_scale=1.0, generator=torch.Generator().manual_seed(1)).frames
+    assert torch.equal(zero, one)

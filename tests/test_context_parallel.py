@@ -15,6 +15,8 @@ import socket
 from pathlib import Path
 from unittest import mock
 
+import imageio
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -104,6 +106,43 @@ def windowed_calls(model) -> list[torch.Tensor]:
     return outs
 
 
+def write_input_video(path: Path) -> Path:
+    """21 frames of 32x32 (6 latent frames: two chunks), a moving gradient."""
+    ramp = np.linspace(0, 255, WIDTH, dtype=np.float32)
+    frames = [
+        np.stack([np.roll(ramp, 2 * k)[None].repeat(HEIGHT, 0)] * 3, axis=-1).astype(np.uint8) for k in range(21)
+    ]
+    imageio.mimwrite(path, frames, duration=125)
+    return path
+
+
+def run_cli_v2v(out_dir: str, rank: int | None) -> dict:
+    """``generate --input-video ... [--context-parallel ulysses]`` through ``cli.main``, as under torchrun on CPU ranks
+    (``rank=None``: one process, no flag): the launch check and the set-up are the harness's (gloo, no CUDA);
+    returns its exit status and the frames it would write (``None`` when it writes none)."""
+    from fastgen_diffusers import cli
+    from fastgen_diffusers.parallel import ContextParallelSetup
+
+    argv = ["generate", "--prompt", "a fox", "--input-video", str(Path(out_dir) / "input.gif"), "--strength", "0.6"]
+    argv += ["--steps", "2", "--output", str(Path(out_dir) / f"out{rank}.mp4")]
+    if rank is not None:
+        argv += ["--context-parallel", "ulysses"]
+    written = []
+
+    def setup(pipe, mode):
+        assert mode == "ulysses"
+        enable_ulysses(pipe.transformer)
+        return ContextParallelSetup(rank, WORLD, torch.device("cpu"), rank == 0)
+
+    with (
+        mock.patch("fastgen_diffusers.cli_checks.check_context_parallel_launch"),
+        mock.patch("fastgen_diffusers.parallel.setup_context_parallel", setup),
+        mock.patch("diffusers.utils.export_to_video", lambda frames, path, fps: written.append(np.stack(frames))),
+    ):
+        status = cli.main(argv)
+    return {"status": status, "frames": written[0] if written else None}
+
+
 def worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -118,6 +157,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         model = tiny_transformer()
         enable_ulysses(model)
         results["windowed"] = windowed_calls(model)
+        results["cli_v2v"] = run_cli_v2v(out_dir, rank)
 
         # A frame of 3 tokens cannot be split across 2 ranks: raised before anything is cached.
         model.clear_caches()
@@ -147,6 +187,7 @@ def free_port() -> int:
 def ranks(tmp_path_factory) -> list[dict]:
     """What each of the 2 ranks saw (one spawn for every scenario)."""
     out_dir = tmp_path_factory.mktemp("cp")
+    write_input_video(out_dir / "input.gif")
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with mock.patch.dict(os.environ, env):
         # `torch.multiprocessing.spawn`'s machinery with fork: the ranks inherit this process's imports instead of
@@ -157,12 +198,15 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def single():
+def single(tmp_path_factory):
     """The same work in one process."""
     pipe, calls = make_pipe()
     results = {"t2v": rollout(pipe, calls), "cfg": rollout(pipe, calls, guidance_scale=3.0)}
     results["decoded"] = rollout(pipe, calls, output_type="np", num_frames=5)["out"]
     results["windowed"] = windowed_calls(tiny_transformer())
+    input_dir = tmp_path_factory.mktemp("cp-single")
+    write_input_video(input_dir / "input.gif")
+    results["cli_v2v"] = run_cli_v2v(str(input_dir), None)
     return results
 
 
@@ -206,6 +250,16 @@ def test_only_rank_zero_decodes(ranks, single):
     assert ranks[0]["decoded"].shape == single["decoded"].shape == (1, 5, HEIGHT, WIDTH, 3)
     assert abs(ranks[0]["decoded"] - single["decoded"]).max() <= 1e-5
     assert isinstance(ranks[1]["decoded"], torch.Tensor) and ranks[1]["decoded"].shape == (1, 16, 2, 4, 4)
+
+
+def test_cli_video_to_video_under_context_parallelism_writes_the_single_process_video(ranks, single):
+    """``--input-video`` with ``--context-parallel``: every rank restyles the video, rank 0 writes what one process
+    writes (the CLI as under torchrun; only the launch check and the GPU set-up are the harness's)."""
+    expected = single["cli_v2v"]
+    assert expected["status"] == 0 and expected["frames"].shape == (21, HEIGHT, WIDTH, 3)
+    assert ranks[0]["cli_v2v"]["status"] == ranks[1]["cli_v2v"]["status"] == 0
+    assert ranks[1]["cli_v2v"]["frames"] is None  # only the main process writes
+    assert abs(ranks[0]["cli_v2v"]["frames"] - expected["frames"]).max() <= 1e-5  # measured: 0
 
 
 def test_mis_sized_calls_raise_before_work(ranks):

@@ -5,6 +5,7 @@ The helpers here (original-layout state dicts, the tiny base directory) are shar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -407,3 +408,21 @@ def test_names_of_the_single_module_converter_still_import():
     ]  # fmt: skip
     assert all(callable(getattr(convert, name)) or name.isupper() for name in names)
     assert {"auto", "self-forcing", "causvid", "fastgen"} <= set(convert.FORMATS)
+
+
+@pytest.mark.parametrize("pending", [(), ("kv_cache_policy",)], ids=["every setting applied", "one pending"])
+def test_the_card_notes_sampling_json_only_when_a_setting_is_left_there(tmp_path, pending):
+    from fastgen_diffusers.convert.card import model_card
+    from fastgen_diffusers.convert.formats import get_format
+    from fastgen_diffusers.convert.result import ConversionResult
+
+    row = get_format("self-forcing")
+    settings = row.sampling if not pending else dataclasses.replace(row.sampling, kv_cache_policy="recompute")
+    applied = tuple(key for key in settings.as_dict() if key not in pending)
+    result = ConversionResult(tmp_path, row.name, "generator_ema", "found", settings, applied, pending)
+    checkpoint = tmp_path / "model.pt"
+    checkpoint.write_bytes(b"x")
+    card = model_card(result, row=row, checkpoint=checkpoint, lora_file=None, base_model="org/wan", dtype=None)
+    assert ("Settings marked `sampling.json`" in card) == bool(pending)
+    assert ("`sampling.json` (policy pending)" in card) == bool(pending)
+    assert "\n\n\n" not in card.split("## Sampling settings")[1].split("## License")[0]  # no gap left by the note

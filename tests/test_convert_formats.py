@@ -173,6 +173,7 @@ def test_release_converts_bit_exactly_with_its_format_and_with_auto(name, wan_ba
         assert set(result.pending_settings) <= {"kv_cache_policy", "context_frames", "kv_cache_attention_bias"}
         card = (output / "README.md").read_text()
         assert get_format(result.format).project in card and f"- {result.format}" in card
+        assert ("Settings marked `sampling.json`" in card) == bool(result.pending_settings)
 
 
 def test_auto_says_what_it_found_and_why(tmp_path):

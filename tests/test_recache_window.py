@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastgen_diffusers.pipelines import RolloutOptions
 from fastgen_diffusers.pipelines import session as session_module
 from fastgen_diffusers.testing import tiny_pipeline
 
@@ -38,9 +39,10 @@ def pipe():
     return _pipe()
 
 
-def _run(pipe, monkeypatch, switch_frame: int, *, full: bool, **kwargs):
-    """Run with one switch; return the latents, the transformer forwards of the switch and, right after it, the
-    K/V ``[(key, value)]`` per block that the next chunk attends to (sink and visible recent frames, frame order)."""
+def _run(pipe, monkeypatch, switch_frame: int, *, full: bool, earlier_switches: tuple[int, ...] = (), **kwargs):
+    """Run with one switch (after ``earlier_switches``, pixel frames); return the latents, the transformer forwards
+    of the switch and, right after it, the K/V ``[(key, value)]`` per block that the next chunk attends to (sink and
+    visible recent frames, frame order)."""
     record = {}
     switch_prompt = session_module.RolloutSession.switch_prompt
     transformer = pipe.transformer
@@ -64,9 +66,10 @@ def _run(pipe, monkeypatch, switch_frame: int, *, full: bool, **kwargs):
     monkeypatch.setattr(session_module.RolloutSession, "switch_prompt", recording)
     if full:  # the old behaviour: every earlier chunk
         monkeypatch.setattr(session_module.RolloutSession, "recache_chunks", lambda self: (list(self.chunks), []))
+        monkeypatch.setattr(session_module.RolloutSession, "forget_evicted", lambda self: None)  # keeps them all
     try:
         latents = pipe(
-            prompt_embeds={0: _embeds(1), switch_frame: _embeds(2)},
+            prompt_embeds={0: _embeds(1), **{f: _embeds(10 + f) for f in earlier_switches}, switch_frame: _embeds(2)},
             recache=True,
             generator=torch.Generator().manual_seed(0),
             **kwargs,
@@ -90,6 +93,17 @@ def test_windowed_recache_runs_the_window_and_equals_a_full_rerun(pipe, monkeypa
     for (fast_k, fast_v), (slow_k, slow_v) in zip(fast_record["seen"], slow_record["seen"]):
         torch.testing.assert_close(fast_k, slow_k, rtol=0, atol=1e-6)
         torch.testing.assert_close(fast_v, slow_v, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("engine", ["static", "vanilla"])
+def test_a_second_windowed_recache_runs_the_window_and_equals_a_full_rerun(pipe, monkeypatch, engine):
+    """The first windowed recache skips the evicted frames; the second truncates at the sink again (it failed once:
+    the skipped frames were no chunk boundary)."""
+    window = {"kv_cache_engine": engine, **WINDOW}
+    fast, fast_record = _run(pipe, monkeypatch, 81, full=False, earlier_switches=(45,), **window)
+    slow, slow_record = _run(pipe, monkeypatch, 81, full=True, earlier_switches=(45,), **window)
+    assert (fast_record["forwards"], slow_record["forwards"]) == (3, 7)  # the second switch: at chunk 7
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("engine", ["static", "vanilla"])
@@ -137,3 +151,86 @@ def test_where_a_windowed_recache_cannot_equal_a_full_rerun(
         else:
             assert not torch.allclose(fast_k, slow_k, atol=1e-4)
     assert not torch.allclose(fast[:, :, 3 * switch_chunk :], slow[:, :, 3 * switch_chunk :], atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ held history
+def _held_bytes(session) -> int:
+    return sum(t.numel() * t.element_size() for t in session.held_tensors())
+
+
+def _long_stream(pipe, monkeypatch, *, prune: bool, num_chunks: int = 60):
+    """A windowed rollout of ``num_chunks`` chunks with a recached prompt switch every 10 chunks: its latents and the
+    bytes its session holds after each chunk."""
+    if not prune:
+        monkeypatch.setattr(session_module.RolloutSession, "forget_evicted", lambda self: None)
+    switches = {12 * k - 3: _embeds(k) for k in range(10, num_chunks, 10)}
+    options = RolloutOptions(
+        prompt_embeds={0: _embeds(0), **switches},
+        recache=True,
+        context_noise=100.0,  # the cache input is a re-noised copy: a chunk holds its latents and that copy
+        height=16,
+        width=16,
+        num_frames=4 * 3 * num_chunks - 3,
+        num_inference_steps=1,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        **WINDOW,
+    )
+    try:
+        run = pipe.prepare_rollout(options)
+        latents, held = [], []
+        for chunk in run.chunks():
+            latents.append(chunk.latents)
+            held.append(_held_bytes(run.session))
+    finally:
+        monkeypatch.undo()
+    return torch.cat(latents, dim=2), held
+
+
+def test_a_long_windowed_stream_with_recache_holds_flat_history_and_the_same_output(pipe, monkeypatch):
+    """The session keeps the chunks a recache can re-run (the sink's and the ones the window holds), not all."""
+    fast, held = _long_stream(pipe, monkeypatch, prune=True)
+    slow, held_all = _long_stream(pipe, monkeypatch, prune=False)
+    chunk_bytes = held_all[0]  # latents + re-noised cache input of one chunk
+    assert chunk_bytes == 2 * 1 * 16 * 3 * 2 * 2 * 4
+    # window 9 = sink chunk + 2 recent ones: from chunk 3 on the session holds 3 chunks (the last one is not stored)
+    assert held[:4] == [chunk_bytes, 2 * chunk_bytes, 3 * chunk_bytes, 3 * chunk_bytes]
+    assert set(held[2:-1]) == {3 * chunk_bytes} and len(held) == 60
+    assert held_all[-2] == 59 * chunk_bytes  # what the session held before: every chunk
+    assert torch.equal(fast, slow)
+
+
+def test_a_kept_windowed_rollout_drops_only_the_evicted_cache_inputs(monkeypatch):
+    """A kept rollout keeps every chunk's latents (a continuation returns the whole video) but only the cache inputs
+    a recache can use; continue (with a recache), redo and fork give exactly what they gave with every input kept."""
+
+    def scenario(prune: bool):
+        pipe = _pipe()
+        if not prune:
+            monkeypatch.setattr(session_module.RolloutSession, "forget_evicted", lambda self: None)
+        try:
+            call = {**CALL, "num_frames": 4 * 3 * 6 - 3}
+            pipe(prompt_embeds=_embeds(0), keep_cache=True, context_noise=100.0, generator=_gen(0), **WINDOW, **call)
+            main = pipe.kept_rollout("main")
+            contexts = sum(chunk.context is not None for chunk in main.chunks)
+            pipe.fork_rollout("b")
+            more = {"num_frames": 24, "output_type": "latent", "generator": _gen(1)}
+            a = pipe.continue_rollout(prompt_embeds=_embeds(2), recache=True, **more).frames
+            b = pipe.continue_rollout(branch="b", **more).frames
+            c = pipe.redo_last_chunk(prompt_embeds=_embeds(3), recache=True, output_type="latent", generator=_gen(2))
+            d = pipe.continue_rollout(branch="b", prompt_embeds=_embeds(4), recache=True, **more).frames
+            held = [len(pipe.kept_rollout(branch).chunks) for branch in ("main", "b")]
+            return contexts, held, [a, b, c.frames, d]
+        finally:
+            monkeypatch.undo()
+
+    contexts, held, fast = scenario(prune=True)
+    all_contexts, all_held, slow = scenario(prune=False)
+    assert (contexts, all_contexts) == (3, 6)  # the sink chunk and the 2 the window holds, of 6
+    assert held == all_held == [8, 10]  # every chunk's latents
+    for x, y in zip(fast, slow):
+        assert torch.equal(x, y)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)

@@ -11,7 +11,7 @@ import PIL.Image
 import pytest
 import torch
 
-from fastgen_diffusers import WanCausalImageToVideoPipeline, WanCausalPipeline
+from fastgen_diffusers import WanCausalImageToVideoPipeline, WanCausalPipeline, WanCausalVideoToVideoPipeline
 from fastgen_diffusers.testing import tiny_components, tiny_pipeline, tiny_transformer, tiny_vace_pipeline
 
 CALL = {"height": 16, "width": 16, "num_frames": 25, "num_inference_steps": 2, "output_type": "latent"}
@@ -67,6 +67,68 @@ def test_kept_rollout_methods_are_refused_while_a_stream_is_open(pipe):
         with pytest.raises(RuntimeError, match="`stream\\(\\)` of this WanCausalPipeline"):
             method(*args)
     stream.close()
+
+
+def test_a_rollout_generator_holds_the_caches_like_a_stream(pipe):
+    """The low-level ``rollout()`` generator is guarded as ``stream()`` is, in both directions."""
+    latents = torch.randn(1, 16, 7, 2, 2, generator=_seed(0))
+    bounds, schedule = [(0, 4), (4, 7)], pipe.rollout_schedule(2)
+    expected = list(pipe.rollout(latents, _embeds(1), chunk_bounds=bounds, schedule=schedule, generator=_seed(1)))
+    run = pipe.rollout(latents, _embeds(1), chunk_bounds=bounds, schedule=schedule, generator=_seed(1))
+    chunks = [next(run)]
+    busy = r"was called while a `rollout\(\)` of this WanCausalPipeline \(or of a pipeline sharing its transformer\)"
+    with pytest.raises(RuntimeError, match=r"`pipe\(\.\.\.\)` " + busy):
+        pipe(prompt_embeds=_embeds(2), **CALL)
+    with pytest.raises(RuntimeError, match=r"`stream\(\)` " + busy):
+        next(pipe.stream(prompt_embeds=_embeds(2), **CALL))
+    with pytest.raises(RuntimeError, match=r"`rollout\(\)` " + busy):
+        next(pipe.rollout(latents, _embeds(2), chunk_bounds=bounds, schedule=schedule))
+    with pytest.raises(RuntimeError, match=r"`discard_rollout\(\)` " + busy):
+        pipe.discard_rollout()
+    chunks += list(run)
+    for got, want in zip(chunks, expected, strict=True):
+        assert torch.equal(got.latents, want.latents)  # the refused calls touched nothing
+    stream = pipe.stream(prompt_embeds=_embeds(1), **CALL)
+    next(stream)
+    with pytest.raises(RuntimeError, match=r"`rollout\(\)` was called while a `stream\(\)`"):
+        next(pipe.rollout(latents, _embeds(2), chunk_bounds=bounds, schedule=schedule))
+    stream.close()
+    pipe.discard_rollout()  # free again
+
+
+def test_discard_rollout_is_refused_while_a_stream_is_open_and_the_stream_goes_on(pipe):
+    expected = pipe(prompt_embeds=_embeds(1), generator=_seed(0), **CALL).frames
+    pipe(prompt_embeds=_embeds(3), keep_cache=True, **CALL)
+    stream = pipe.stream(prompt_embeds=_embeds(1), generator=_seed(0), **CALL)
+    with pytest.warns(UserWarning, match="discards the kept rollouts"):
+        chunks = [next(stream)]
+    for branch in (None, "main"):
+        with pytest.raises(RuntimeError, match=r"`discard_rollout\(\)` was called while a `stream\(\)` of this "):
+            pipe.discard_rollout(branch)
+    chunks += list(stream)
+    assert torch.equal(torch.cat([c.latents for c in chunks], dim=2), expected)
+
+
+def test_discard_rollout_from_a_callback_is_refused(pipe):
+    def callback(pipe, step, timestep, callback_kwargs):
+        pipe.discard_rollout()
+        return callback_kwargs
+
+    with pytest.raises(RuntimeError, match=r"`discard_rollout\(\)` was called from inside a running `pipe\(\.\.\.\)`"):
+        pipe(prompt_embeds=_embeds(1), callback_on_step_end=callback, **CALL)
+
+
+def test_a_video_to_video_call_while_its_stream_is_open_is_refused():
+    pipe = WanCausalVideoToVideoPipeline(**tiny_components())
+    pipe.set_progress_bar_config(disable=True)
+    video = [np.zeros((32, 32, 3), dtype=np.uint8)] * 13
+    call = {"prompt_embeds": _embeds(1), "num_inference_steps": 2, "strength": 0.5, "output_type": "latent"}
+    stream = pipe.stream(video=video, **call)
+    next(stream)
+    with pytest.raises(RuntimeError, match=r"`pipe\(\.\.\.\)` was called while a `stream\(\)` of this Wan"):
+        pipe(video=video, **call)
+    stream.close()
+    assert pipe(video=video, **call).frames.isfinite().all()
 
 
 def _blocking_call(pipe, entered: threading.Event, release: threading.Event, results: list) -> threading.Thread:

@@ -100,6 +100,12 @@ def model_card(
         for key in _CALL_DEFAULTS
         if key in result.pipeline_settings and settings[key] is not None
     )
+    pending_note = ""
+    if any(key not in result.pipeline_settings for key in settings):
+        pending_note = (
+            "\nSettings marked `sampling.json` are recorded for a sampling policy this version of the pipeline does "
+            "not run yet;\nthey are not applied.\n"
+        )
     lora = ""
     if result.lora == "merged":
         lora = f"\n| LoRA | `{Path(lora_file).name}` merged (W + alpha/r B A in float32) |"
@@ -157,10 +163,7 @@ pipe = WanCausalPipeline.from_pretrained("{REPO_PLACEHOLDER}", dtype=torch.bfloa
 | setting | name | value | stored in |
 |---|---|---|---|
 {rows}
-
-Settings marked `sampling.json` are recorded for a sampling policy this version of the pipeline does not run yet;
-they are not applied.
-
+{pending_note}
 ## Source checkpoint
 
 | | |

@@ -194,6 +194,9 @@ class BaseKVCacheEngine:
             raise ValueError(f"Cannot skip to frame {resume_frame}: cache_tag {cache_tag!r} holds {state.num_frames}.")
         if not self.window.bounded or resume_frame <= self.window.sink:
             raise ValueError("A windowed recache needs a window and a resume frame past the sink.")
+        if state.num_frames < resume_frame and state.num_frames not in state.chunk_starts:
+            # the skipped frames count as one stored chunk, so that a later recache may truncate there again
+            state.chunk_starts.append(state.num_frames)
         state.num_frames = resume_frame
         state.evicted_before = max(state.evicted_before, resume_frame)
         state.recaching = True

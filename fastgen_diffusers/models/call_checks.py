@@ -33,6 +33,24 @@ def _check_dtype(name: str, value: torch.Tensor, dtype: torch.dtype | None) -> N
         )
 
 
+def read_timestep(timestep: torch.Tensor) -> torch.Tensor:
+    """A private host copy of ``timestep``'s values: the forward's one read of them (on an accelerator, one
+    synchronisation), which the range check and the timestep-embedding memo (keyed by content) both use."""
+    return timestep.detach().to("cpu", copy=True)
+
+
+def same_timestep_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two host copies from [`read_timestep`] hold the same values, bit for bit (a host comparison)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() and a.element_size() in _SAME_SIZE_INTS:
+        return torch.equal(a.view(_SAME_SIZE_INTS[a.element_size()]), b.view(_SAME_SIZE_INTS[b.element_size()]))
+    return torch.equal(a, b)
+
+
+_SAME_SIZE_INTS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def check_transformer_inputs(
     config: Any,
     hidden_states: Any,
@@ -45,8 +63,9 @@ def check_transformer_inputs(
     store_kv: Any,
     compute_dtype: Callable[[torch.device], torch.dtype | None],
     image_dim: int | None,
-) -> None:
-    """Raise ``ValueError`` for any input the forward cannot take. Reads the values of ``timestep`` only.
+) -> torch.Tensor:
+    """Raise ``ValueError`` for any input the forward cannot take; return the host copy of ``timestep``'s values
+    ([`read_timestep`]: the only values read).
 
     ``compute_dtype(device)`` is the dtype the model computes in on ``device`` (``None`` under autocast, which casts
     for itself); ``image_dim`` is the width the model's image embedder takes (``None``: the model has none).
@@ -89,10 +108,11 @@ def check_transformer_inputs(
         raise ValueError("`timestep` is on the meta device (it holds no values); pass a tensor with data.")
     if timestep.dtype == torch.bool or timestep.is_complex():
         raise ValueError(f"`timestep` must be a real-valued tensor, got dtype {timestep.dtype}.")
-    if timestep.numel() and bool(((timestep < 0) | (timestep > 1000) | timestep.isnan()).any()):
+    values = read_timestep(timestep)  # checked on the host: no further device read
+    if values.numel() and bool(((values < 0) | (values > 1000) | values.isnan()).any()):
         raise ValueError(
             "`timestep` must hold model-scale timesteps in [0, 1000], got values in "
-            f"[{timestep.min().item()}, {timestep.max().item()}]."
+            f"[{values.min().item()}, {values.max().item()}]."
         )
 
     if isinstance(start_frame, bool) or not isinstance(start_frame, int):
@@ -105,3 +125,4 @@ def check_transformer_inputs(
         raise ValueError(f"`cache_tag` must be a string such as 'pos' or 'neg', got {cache_tag!r}.")
     if not isinstance(store_kv, bool):
         raise ValueError(f"`store_kv` must be True or False, got {store_kv!r}.")
+    return values

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from ..parallel import (
 from ..processors import WanCausalAttnProcessor, WanCausalCrossAttnProcessor, apply_rotary_emb
 from ..processors.attention import BlockAttentionInputs, CrossAttentionInputs, SelfAttentionInputs
 from .blocks import WanCausalTransformerBlock
-from .call_checks import check_transformer_inputs
+from .call_checks import check_transformer_inputs, same_timestep_values
 from .rope import CausalRotaryTables
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
@@ -301,25 +300,34 @@ class CausalWanMixin:
             return torch.get_autocast_dtype(device.type)
         return self.patch_embedding.weight.dtype
 
-    def _timestep_embedding(self, timestep: torch.Tensor, batch_size: int, num_frames: int, dtype: torch.dtype):
-        """:meth:`_embed_timesteps` of ``timestep``, reused by the next call given the same ``timestep`` tensor
-        (the conditional and unconditional forwards of a CFG step) when gradients are off.
+    def _timestep_embedding(
+        self,
+        timestep: torch.Tensor,
+        batch_size: int,
+        num_frames: int,
+        dtype: torch.dtype,
+        values: torch.Tensor | None = None,
+    ):
+        """:meth:`_embed_timesteps` of ``timestep``, reused by the next call given the same timestep values (the
+        conditional and unconditional forwards of a CFG step) when gradients are off.
 
-        The memo holds the last result only, keyed by the tensor itself (identity and in-place version), the frame
-        count, the dtype and the embedder's parameters (identity and version, so an optimizer step or a weight load
-        invalidates it).
+        The memo holds the last result only, keyed by the timestep's content (``values``: the host copy the call
+        check read, compared bit for bit on the host, so a tensor changed in place through ``.data`` or a NumPy view
+        is a new timestep; no further device read), its device, the frame count, the dtype and the embedder's
+        parameters (identity and version, so an optimizer step or a weight load invalidates it). Without ``values``
+        nothing is memoised.
         """
         frame_timesteps = self._frame_timesteps(timestep, batch_size, num_frames)
-        if torch.is_grad_enabled() or timestep.is_inference():  # inference tensors keep no version counter
+        if torch.is_grad_enabled() or values is None:
             return self._embed_timesteps(frame_timesteps, dtype)
         embedder = self.condition_embedder
         params = (*embedder.time_embedder.parameters(), *embedder.time_proj.parameters())
-        key = (timestep._version, batch_size, num_frames, dtype, tuple((id(p), p._version) for p in params))
+        key = (timestep.device, batch_size, num_frames, dtype, tuple((id(p), p._version) for p in params))
         memo = self.__dict__.get("_memo_timestep")
-        if memo is not None and memo[0]() is timestep and memo[1] == key:
+        if memo is not None and memo[1] == key and same_timestep_values(memo[0], values):
             return memo[2]
         embeddings = self._embed_timesteps(frame_timesteps, dtype)
-        self.__dict__["_memo_timestep"] = (weakref.ref(timestep), key, embeddings)
+        self.__dict__["_memo_timestep"] = (values, key, embeddings)
         return embeddings
 
     def _embed_timesteps(self, frame_timesteps: torch.Tensor, dtype: torch.dtype):
@@ -416,14 +424,15 @@ class CausalWanMixin:
         start_frame: int,
         cache_tag: str,
         store_kv: bool,
-    ) -> tuple[int, int, int]:
-        """Validate a call against the config and every engine; returns ``(post-patch F, H', W')``. Writes nothing.
+    ) -> tuple[int, int, int, torch.Tensor]:
+        """Validate a call against the config and every engine; returns ``(post-patch F, H', W')`` and the host copy
+        of the timestep values (:func:`read_timestep`). Writes nothing.
 
         Every input is checked (:func:`check_transformer_inputs`) before any engine operation, so a bad call leaves
         every cache as it was.
         """
         image_embedder = self.condition_embedder.image_embedder
-        check_transformer_inputs(
+        timestep_values = check_transformer_inputs(
             self.config,
             hidden_states,
             timestep,
@@ -457,7 +466,7 @@ class CausalWanMixin:
                 device=hidden_states.device,
                 chunk_layout=layout,
             )
-        return num_frames // p_t, post_h, post_w
+        return num_frames // p_t, post_h, post_w, timestep_values
 
     # ------------------------------------------------------------------ per-block attention inputs
     def _attention_inputs(self, ctx: CausalContext, device: torch.device) -> dict[str, list[BlockAttentionInputs]]:
@@ -628,7 +637,7 @@ class CausalWanMixin:
     ) -> ForwardCall:
         """Check the call, open the engines' transaction and decide everything per call (masks, slots, modes, RoPE)."""
         batch_size = hidden_states.shape[0]
-        post_f, post_h, post_w = self._check_call(
+        post_f, post_h, post_w, timestep_values = self._check_call(
             hidden_states,
             timestep,
             encoder_hidden_states,
@@ -638,7 +647,9 @@ class CausalWanMixin:
             store_kv=store_kv,
         )
         device = hidden_states.device
-        temb, timestep_proj = self._timestep_embedding(timestep, batch_size, post_f, encoder_hidden_states.dtype)
+        temb, timestep_proj = self._timestep_embedding(
+            timestep, batch_size, post_f, encoder_hidden_states.dtype, timestep_values
+        )
         rope_offset = self._rope_offset_for(cache_tag, start_frame, post_f, post_h, post_w)
         # real pairs (a view): compiled code rotates in real arithmetic, eager views them back as complex
         rotary_emb = torch.view_as_real(self.rotary_tables(start_frame - rope_offset, post_f, post_h, post_w, device))

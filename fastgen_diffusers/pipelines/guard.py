@@ -30,6 +30,10 @@ _HOLDERS_LOCK = threading.Lock()
 _HOLDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# The entries that are generators: they hold the caches between chunks, while their consumer runs.
+GENERATOR_ENTRIES = ("stream()", "rollout()")
+
+
 @dataclass(frozen=True)
 class _Holder:
     entry: str  # "pipe(...)", "stream()", "continue_rollout()", ...
@@ -40,11 +44,11 @@ class _Holder:
 
 def _busy_message(holder: _Holder, entry: str) -> str:
     if holder.thread_id == threading.get_ident():
-        if holder.entry == "stream()":
+        if holder.entry in GENERATOR_ENTRIES:
             return (
-                f"`{entry}` was called while a `stream()` of this {holder.pipeline} (or of a pipeline sharing its "
-                "transformer) is open: they share the KV caches. Finish the stream or close it (`stream.close()`, "
-                "or leave its `for` loop) first."
+                f"`{entry}` was called while a `{holder.entry}` of this {holder.pipeline} (or of a pipeline sharing "
+                "its transformer) is open: they share the KV caches. Finish the generator or close it "
+                "(`.close()`, or leave its `for` loop) first."
             )
         return (
             f"`{entry}` was called from inside a running `{holder.entry}` of this {holder.pipeline} (e.g. from a "

@@ -33,10 +33,12 @@ from diffusers.utils import logging, replace_example_docstring
 
 from ..chunking import chunk_bounds
 from .conditioning import Conditioner
+from .guard import exclusive_rollout
 from .options import RolloutOptions
 from .pipeline_wan_causal import WanCausalPipeline
 from .policy_v2v import VideoChunkPlan, VideoToVideoPolicy
 from .rollout import RolloutRun, RolloutShape, check_window_fits_chunks
+from .session import history_to_keep
 from .streaming_encode import StreamingWanEncoder
 from .strength import StrengthInput, StrengthSchedule
 from .video_latents import VideoToVideoSource
@@ -215,10 +217,11 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             schedule=schedule,
             first_schedule=first_schedule,
             attention_kwargs=options.attention_kwargs,
-            keep_history=options.recache and bool(switches),
+            keep_history=history_to_keep(False, options.recache and bool(switches)),
         )
         return RolloutRun(self, session, plan, source, options, switches, 0, self.select_policy(options))
 
+    @exclusive_rollout("pipe(...)")
     def generate(self, options: VideoToVideoOptions) -> WanPipelineOutput | tuple:
         """The body of ``__call__``: prepare, restyle chunk by chunk, decode the finished chunks."""
         run = self.prepare_rollout(options)

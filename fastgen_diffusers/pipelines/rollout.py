@@ -37,7 +37,7 @@ from .policy import RolloutPolicy, SequentialPolicy
 from .policy_recompute import RECOMPUTE, RecomputePolicy, check_recompute_inputs
 from .prompts import PromptScheduleMixin
 from .records import ChunkOutput, ChunkRecord
-from .session import MAIN_BRANCH, RolloutSession, discard_branch
+from .session import MAIN_BRANCH, RolloutSession, discard_branch, history_to_keep
 from .sources import NoiseSource
 from .streaming_decode import StreamingWanDecoder, denormalize_latents
 
@@ -290,7 +290,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
             schedule=schedule,
             first_schedule=first_schedule,
             attention_kwargs=options.attention_kwargs,
-            keep_history=options.keep_cache or (options.recache and bool(switches)),
+            keep_history=history_to_keep(options.keep_cache, options.recache and bool(switches)),
             num_reference_frames=refs,
         )
         # the KV-cache attention bias of every denoising forward, whatever the policy and window (a recompute policy
@@ -311,7 +311,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         first_schedule: Mapping[str, Any] | None = None,
         attention_kwargs: dict[str, Any] | None = None,
         branch: str = MAIN_BRANCH,
-        keep_history: bool = True,
+        keep_history: bool | str = True,
         num_reference_frames: int = 0,
     ) -> RolloutSession:
         """A new [`RolloutSession`] on this pipeline's transformer."""
@@ -386,7 +386,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         self._interrupt = False
         if not resume:
             warn_discarding_kept_rollouts(self)
-            self.discard_rollout()
+            self._free_rollouts()
         kept = False
         try:
             for chunk in policy.run(
@@ -408,9 +408,10 @@ class CausalRolloutMixin(PromptScheduleMixin):
         finally:
             self._current_timestep = None
             if not kept and not resume:
-                self.discard_rollout()
+                self._free_rollouts()
             # An unfinished continuation leaves its branch to the caller, which restores it (`BranchCheckpoint`).
 
+    @exclusive_rollout("rollout()")
     def rollout(
         self,
         latents: torch.Tensor,
@@ -442,7 +443,8 @@ class CausalRolloutMixin(PromptScheduleMixin):
             Others: as in ``__call__``.
 
         Yields:
-            [`ChunkRecord`] per finished chunk, in order.
+            [`ChunkRecord`] per finished chunk, in order. Like a stream, the generator holds the KV caches from its
+            first chunk to its end or close: calling the pipeline meanwhile raises a ``RuntimeError`` naming it.
         """
         session = self.open_session(
             conditioner or Conditioner(),
@@ -452,9 +454,9 @@ class CausalRolloutMixin(PromptScheduleMixin):
             context_noise=context_noise,
             schedule=schedule,
             attention_kwargs=attention_kwargs,
-            keep_history=keep_cache or (recache and bool(prompt_switches)),
+            keep_history=history_to_keep(keep_cache, recache and bool(prompt_switches)),
         )
-        return self.run_policy(
+        yield from self.run_policy(
             session,
             ChunkPlan.from_bounds(chunk_bounds, schedule),
             NoiseSource(latents),
@@ -482,8 +484,17 @@ class CausalRolloutMixin(PromptScheduleMixin):
             )
         return self._sessions[branch]
 
+    @exclusive_rollout("discard_rollout()")
     def discard_rollout(self, branch: str | None = None) -> None:
-        """Free the caches of ``branch`` (every kept rollout, and every cache, when ``None``)."""
+        """Free the caches of ``branch`` (every kept rollout, and every cache, when ``None``).
+
+        Refused with a ``RuntimeError`` while a rollout of this pipeline runs (an open ``stream()``, a ``rollout()``
+        generator, a call in another thread or a callback): its caches are in use.
+        """
+        self._free_rollouts(branch)
+
+    def _free_rollouts(self, branch: str | None = None) -> None:
+        """[`discard_rollout`] for the rollout entry points that already hold the caches."""
         if branch is None:
             self.transformer.clear_caches()
             self._sessions.clear()
@@ -519,7 +530,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         if kv_cache_engine is None:
             return
         warn_discarding_kept_rollouts(self)
-        self.discard_rollout()  # kept rollouts live in the engines being replaced
+        self._free_rollouts()  # kept rollouts live in the engines being replaced
         engines = make_engines(
             self.transformer,
             kv_cache_engine,

@@ -9,6 +9,7 @@ its kept rollouts (``pipe(..., keep_cache=True)``); nothing of a call lives on t
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,6 +34,12 @@ def discard_branch(transformer: Any, branch: str) -> None:
             engine.clear(tag)
 
 
+def history_to_keep(keep_cache: bool, recaches: bool) -> bool | str:
+    """A session's ``keep_history``: everything for a kept rollout, what a recache can use for a rollout with
+    recached prompt switches, nothing otherwise."""
+    return True if keep_cache else ("recache" if recaches else False)
+
+
 class RolloutSession:
     """The state of one rollout branch and the transformer forwards it runs.
 
@@ -48,8 +55,11 @@ class RolloutSession:
         attention_kwargs: passed to the transformer (``scale`` for LoRA).
         num_train_timesteps: the scheduler's, to turn ``context_noise`` into a sigma.
         branch: the rollout branch (``"main"``: tags ``"pos"`` / ``"neg"``).
-        keep_history: keep every finished chunk's latents and cache input (a kept rollout, or a recache); without it
-            the session holds no chunk tensors, so a long stream's memory stays flat.
+        keep_history: what the session keeps of its finished chunks. ``True`` (a kept rollout): every chunk's latents
+            (the video a continuation returns) and the cache inputs a recache can re-run (every chunk's without an
+            attention window; under one, those of the chunks the window still holds, [`recache_chunks`]).
+            ``"recache"`` (a rollout with recached prompt switches): only the chunks a recache can re-run, so a long
+            windowed stream's memory stays flat. ``False``: no chunk tensors at all.
         num_reference_frames: leading latent frames that are not video frames (VACE's reference images).
     """
 
@@ -67,9 +77,11 @@ class RolloutSession:
         attention_kwargs: dict[str, Any] | None = None,
         num_train_timesteps: int = 1000,
         branch: str = MAIN_BRANCH,
-        keep_history: bool = True,
+        keep_history: bool | str = True,
         num_reference_frames: int = 0,
     ) -> None:
+        if keep_history not in (True, False, "recache"):
+            raise ValueError(f"`keep_history` must be True, False or 'recache', got {keep_history!r}.")
         self.transformer = transformer
         self.conditioner = conditioner
         self.prompt_embeds = prompt_embeds
@@ -94,7 +106,9 @@ class RolloutSession:
     # ------------------------------------------------------------------ history
     @property
     def latents(self) -> torch.Tensor:
-        """``(B, C, F, H, W)`` clean latents of the whole rollout so far (a session that keeps its history)."""
+        """``(B, C, F, H, W)`` clean latents of the whole rollout so far (a session with ``keep_history=True``)."""
+        if self.keep_history is not True:
+            raise RuntimeError(f"A session with keep_history={self.keep_history!r} does not hold the whole rollout.")
         return torch.cat([chunk.latents for chunk in self.chunks], dim=2)
 
     @property
@@ -103,8 +117,10 @@ class RolloutSession:
         return self.latents[:, :, self.num_reference_frames :]
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """The chunk tensors the session holds (its history), to account for memory."""
-        return [t for chunk in self.chunks for t in (chunk.latents, chunk.context) if t is not None]
+        """The chunk tensors the session holds (its history), each once, to account for memory (a chunk's cache
+        input is its latents themselves when it was not re-noised)."""
+        held = {id(t): t for chunk in self.chunks for t in (chunk.latents, chunk.context) if t is not None}
+        return list(held.values())
 
     # ------------------------------------------------------------------ forwards
     def embeds_of(self, cache_tag: str) -> torch.Tensor:
@@ -176,11 +192,30 @@ class RolloutSession:
         return context
 
     def record(self, span: ChunkSpan, clean: torch.Tensor, context: torch.Tensor | None) -> None:
-        """Count a finished chunk; keep its tensors only when the session keeps its history."""
+        """Count a finished chunk; keep its tensors only when the session keeps its history, and then forget what no
+        recache can use any more (the window evicted it; [`forget_evicted`])."""
         if self.keep_history:
             self.chunks.append(ChunkRecord(span.index, span.start, span.end, clean, context=context))
         self.num_latent_frames = span.end
         self.num_chunks = span.index + 1
+        self.forget_evicted()
+
+    def forget_evicted(self) -> None:
+        """Drop from the history what a recache under the current window cannot re-run: the chunks past the sink
+        whose frames the window has all evicted ([`recache_chunks`] never returns them again, as a window only
+        moves forward). ``keep_history="recache"`` drops those chunks; ``True`` drops only their cache inputs and
+        keeps their latents (the kept rollout's video). Nothing is dropped without a window."""
+        held = self._held_from()
+        if held is None or not self.keep_history:
+            return
+        sink, evicted_before = held
+        if self.keep_history == "recache":
+            self.chunks = [c for c in self.chunks if c.start < sink or c.end > evicted_before]
+        else:
+            self.chunks = [
+                c if c.start < sink or c.end > evicted_before or c.context is None else replace(c, context=None)
+                for c in self.chunks
+            ]
 
     def switch_prompt(self, prompt_embeds: torch.Tensor, *, recache: bool) -> None:
         """Condition the conditional tag on ``prompt_embeds`` from the next chunk on.
@@ -222,8 +257,22 @@ class RolloutSession:
         still holds every frame (no window, or nothing evicted yet); else ``(sink chunks, recent chunks)``: the
         chunks holding a sink frame, and the later chunks holding a frame the window keeps (LongLive re-runs the
         last ``min(window, t)`` frames). The recent ones then see the sink and each other only: the frames
-        before them are evicted, so their K/V past the first block differ from a full re-run's.
+        before them are evicted, so their K/V past the first block differ from a full re-run's. The history holds
+        no other chunk's cache input ([`forget_evicted`]).
         """
+        held = self._held_from()
+        if held is None:
+            return list(self.chunks), []
+        sink, evicted_before = held
+        first = [chunk for chunk in self.chunks if chunk.start < sink]
+        recent = [chunk for chunk in self.chunks if chunk.start >= sink and chunk.end > evicted_before]
+        if len(first) + len(recent) == self.num_chunks:  # no chunk in between: every chunk, in order
+            return list(self.chunks), []
+        return first, recent
+
+    def _held_from(self) -> tuple[int, int] | None:
+        """``(sink, evicted_before)`` of the conditional tag when its window has evicted frames past the sink (the
+        non-sink frames before ``evicted_before`` are gone); ``None`` when it still holds every stored frame."""
         cache_tag = self.cache_tags[0]
         sink, evicted_before = 0, 0
         for engine in self.transformer.kv_cache_engines.values():
@@ -231,13 +280,7 @@ class RolloutSession:
             if engine.window.bounded and state is not None:
                 sink = engine.window.sink
                 evicted_before = max(evicted_before, min(state.evicted_before, state.num_frames))
-        if evicted_before <= sink:
-            return list(self.chunks), []
-        first = [chunk for chunk in self.chunks if chunk.start < sink]
-        recent = [chunk for chunk in self.chunks if chunk.start >= sink and chunk.end > evicted_before]
-        if len(first) + len(recent) == len(self.chunks):
-            return list(self.chunks), []
-        return first, recent
+        return None if evicted_before <= sink else (sink, evicted_before)
 
     def _restore(self, chunk: ChunkRecord, timestep: torch.Tensor, cache_tag: str) -> None:
         span = ChunkSpan(chunk.chunk_index, chunk.start, chunk.end)
@@ -251,7 +294,7 @@ class RolloutSession:
                 engine.truncate(tag, frame)
         self.chunks = [chunk for chunk in self.chunks if chunk.end <= frame]
         self.num_latent_frames = self.chunks[-1].end if self.chunks else 0
-        self.num_chunks = len(self.chunks)
+        self.num_chunks = self.chunks[-1].chunk_index + 1 if self.chunks else 0
 
     def fork(self, branch: str) -> RolloutSession:
         """A copy of this session on ``branch``: its caches copied under the new branch's tags (the static engine

@@ -222,8 +222,19 @@ def _non_negative_int(name: str, value: Any) -> None:
     check_int(name, value, minimum=0)
 
 
+def guidance_scale_accepted(value: float) -> bool:
+    """Whether a finite ``guidance_scale`` means something: 0 or 1 (no classifier-free guidance: as in diffusers, CFG
+    runs only above 1, and 0 is the value distilled models are often given) or above 1 (the CFG weight). A value in
+    ``(0, 1)`` would silently run without guidance; the CLI's ``--guidance-scale`` takes the same values."""
+    return value == 0 or value >= 1
+
+
 def _guidance(name: str, value: Any) -> None:
-    check_real(name, value, minimum=0.0)
+    check_real(name, value)
+    if not guidance_scale_accepted(value):
+        raise ValueError(
+            f"`{name}` must be a finite number >= 1 or 0 (0 and 1 disable classifier-free guidance), got {value}."
+        )
 
 
 # Call argument -> its check; `None` is accepted for every argument here and left to the pipeline's rules.
