@@ -123,9 +123,9 @@ def check_ema_eviction(
         raise ValueError(
             f"`sink_update='ema'` folds the frames leaving the window into the sink frame by frame, so every eviction "
             f"must remove exactly sink_frames={window.sink} frames; the chunk at latent frame {start_frame} evicts "
-            f"{evicted} (frames [{first}, {recent_start})). Use chunks of {window.sink} frames (a latent frame count that "
-            "is a multiple of them, so that no chunk absorbs a remainder) with the window minus the sink a multiple "
-            "of them (Reward Forcing: chunks of 3, window 9, sink 3), or sink_update='fixed'."
+            f"{evicted} (frames [{first}, {recent_start})). Use chunks of {window.sink} frames (a latent frame count "
+            "that is a multiple of them, so that no chunk absorbs a remainder) with the window minus the sink a "
+            "multiple of them (Reward Forcing: chunks of 3, window 9, sink 3), or sink_update='fixed'."
         )
     end_frame = start_frame + sum(chunk_layout)
     if store_kv and len(chunk_layout) > 1 and window.recent_start(end_frame) > max(first, recent_start):
