@@ -10,8 +10,9 @@ to the view ``buffer[:, :visible]``:
 * with a window, once the video is longer than the window, the view is the whole buffer: the sink plus the ring,
   which then holds exactly the frames the chunk attends to (its own frames and the most recent others). The ring
   order is not frame order, which attention over keys without a mask does not see (keys carry their RoPE
-  positions). Calls that need a mask (several chunks) or that start before the end of the cache gather the prefix
-  in frame order and concatenate, as the vanilla engine does.
+  positions; keys stored before RoPE are rotated at read time by slot, in the ring's order:
+  :meth:`~BaseKVCacheEngine.key_positions` with ``in_place=True``). Calls that need a mask (several chunks) or that
+  start before the end of the cache gather the prefix in frame order and concatenate, as the vanilla engine does.
 
 So a rollout allocates nothing per step and, with a window, every call attends to views of one shape, which is what
 ``torch.compile`` / CUDA graph capture need. Calls with gradients (training) take the concatenating path, since an
@@ -111,12 +112,28 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         window_frames: sliding attention window in latent frames (see :class:`BaseKVCacheEngine`); the buffers then
             never exceed ``window_frames`` frames.
         sink_frames: first frames kept for ever inside the window.
+        rope_positions, sink_update, sink_decay: window-relative RoPE and the EMA sink (see
+            :class:`BaseKVCacheEngine`).
     """
 
     def __init__(
-        self, max_frames: int | None = None, *, window_frames: int | None = None, sink_frames: int = 0
+        self,
+        max_frames: int | None = None,
+        *,
+        window_frames: int | None = None,
+        sink_frames: int = 0,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str = "absolute",
+        sink_update: str = "fixed",
+        sink_decay: float = 0.999,
     ) -> None:
-        super().__init__(window_frames=window_frames, sink_frames=sink_frames)
+        super().__init__(
+            window_frames=window_frames,
+            sink_frames=sink_frames,
+            rope_positions=rope_positions,
+            sink_update=sink_update,
+            sink_decay=sink_decay,
+        )
         if max_frames is not None and (isinstance(max_frames, bool) or not isinstance(max_frames, int)):
             raise ValueError(f"`max_frames` must be None or a positive int, got {max_frames!r}.")
         if max_frames is not None and max_frames < 1:
@@ -252,6 +269,36 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         entry.written = (start_frame, end_frame, key.data_ptr())
         visible = self.window.slots(end_frame)
         return entry.key[:, : visible * seqlen], entry.value[:, : visible * seqlen]
+
+    def _key_frames(self, cache_tag, start_frame, num_frames, first_chunk_frames, in_place):
+        """On the in-place path (:meth:`static_call`) the keys are the buffer's first slots, in slot order: the sink,
+        then the ring, whose order is not frame order once the window has wrapped."""
+        if not in_place:
+            return super()._key_frames(cache_tag, start_frame, num_frames, first_chunk_frames, in_place)
+        end_frame = start_frame + num_frames
+        window = self.window
+        held = [(0, end_frame)]
+        if not window.all_seen_until(end_frame):
+            held = [(0, window.sink), (window.recent_start(end_frame), end_frame)]
+        by_slot = {}
+        for first, last in held:
+            for frame, slot, count in self._slot_runs(first, last):
+                by_slot.update({slot + i: frame + i for i in range(count)})
+        return [by_slot[slot] for slot in range(window.slots(end_frame))]
+
+    def _frames_kv(self, entry: StaticSelfEntry, state: TagState, first: int, last: int):
+        seqlen = state.frame_seqlen
+        pieces = [slice(slot * seqlen, (slot + count) * seqlen) for _, slot, count in self._slot_runs(first, last)]
+        key = torch.cat([entry.key[:, tokens] for tokens in pieces], dim=1)
+        value = torch.cat([entry.value[:, tokens] for tokens in pieces], dim=1)
+        return key, value
+
+    def _replace_sink(self, entry: StaticSelfEntry, state: TagState, key: torch.Tensor, value: torch.Tensor) -> None:
+        seqlen = state.frame_seqlen
+        frames = key.shape[1] // seqlen
+        self._keep_for_undo(entry, 0, frames, seqlen)
+        entry.key[:, : frames * seqlen] = key
+        entry.value[:, : frames * seqlen] = value
 
     def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames):
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
