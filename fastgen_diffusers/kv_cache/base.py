@@ -36,6 +36,10 @@ engine: a call evicts the non-sink frames before its first chunk's window, a sto
 from :meth:`AttentionWindow.recent_start` on. Keys are stored after RoPE, so positions stay absolute. A call that
 needs an evicted frame is an error, except inside a windowed recache (:meth:`BaseKVCacheEngine.skip_evicted`), whose
 calls attend to the frames held.
+
+Storage dtype (``kv_cache_dtype``, off by default): an 8-bit engine stores completed frames quantized, one float32
+scale per (sample, frame, head) (:mod:`~fastgen_diffusers.kv_cache.quantize`); every store goes through
+:meth:`BaseKVCacheEngine._encode_kv` and every read through :meth:`BaseKVCacheEngine._decode_kv`.
 """
 
 from __future__ import annotations
@@ -47,8 +51,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .accounting import tensor_bytes
+from .accounting import expected_scale_bytes, tensor_bytes
 from .cross import ConditioningKey, CrossKVCache, CrossKVEntry, CrossKVMode
+from .quantize import QuantizedFrames, quantize_frames, resolve_kv_cache_dtype
 from .registry import BlockRegistry
 from .tags import TagState, TagTable
 from .window import AttentionWindow
@@ -80,10 +85,23 @@ class BaseKVCacheEngine:
         window_frames: attend to at most this many latent frames per chunk (its own frames and the sink included);
             ``None`` keeps and attends to every frame.
         sink_frames: the first frames of the video, kept and attended to for ever (needs ``window_frames``).
+        kv_cache_dtype: ``None`` (default: self K/V stored in the compute dtype) or an 8-bit storage dtype,
+            ``torch.float8_e4m3fn`` or ``torch.int8`` (or its name): completed frames are stored quantized with one
+            float32 scale per (sample, frame, head) (:mod:`~fastgen_diffusers.kv_cache.quantize`) and dequantized
+            on read; a call's own K/V stay in the compute dtype. Inference only: a forward with gradients enabled
+            is an error. Cross-attention K/V are not quantized.
     """
 
-    def __init__(self, *, window_frames: int | None = None, sink_frames: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        window_frames: int | None = None,
+        sink_frames: int = 0,
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
+    ) -> None:
         self.window = AttentionWindow.from_arguments(window_frames, sink_frames, frames_name="window_frames")
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
         self.blocks = BlockRegistry()
         self._tags = TagTable()
         self._self_kv: list[dict[str, Any]] = []
@@ -156,6 +174,11 @@ class BaseKVCacheEngine:
             "dtype": dtype,
             "device": device,
         }
+        if self.kv_cache_dtype is not None and torch.is_grad_enabled():
+            raise ValueError(
+                f"An 8-bit KV cache (`kv_cache_dtype={self.kv_cache_dtype}`) serves inference only: run the forward "
+                "under `torch.no_grad()` or `torch.inference_mode()`, or use engines without `kv_cache_dtype`."
+            )
         self._tags.check_call(cache_tag, self.window, start_frame, chunk_layout, layout)
 
     def visible_window(self, start_frame: int, first_chunk_frames: int) -> tuple[int, int]:
@@ -447,6 +470,25 @@ class BaseKVCacheEngine:
         """Forget the cross K/V of ``cache_tag`` (every tag when ``None``); the next ``store_kv`` call refills them."""
         self.cross.invalidate(list(self._tags) if cache_tag is None else [cache_tag])
 
+    # ------------------------------------------------------------------ storage dtype (8-bit KV cache)
+    def _encode_kv(self, tensor: torch.Tensor, state: TagState) -> torch.Tensor | QuantizedFrames:
+        """What the engine stores for ``tensor`` ``(B, F*S, H, D)``, whole frames of ``state``'s tag: the tensor
+        itself, or its :class:`QuantizedFrames` under ``kv_cache_dtype``. Every self K/V store goes through here."""
+        if self.kv_cache_dtype is None:
+            return tensor
+        return quantize_frames(tensor, state.frame_seqlen, self.kv_cache_dtype)
+
+    def _decode_kv(self, stored: torch.Tensor | QuantizedFrames, state: TagState) -> torch.Tensor:
+        """The K or V ``(B, F*S, H, D)`` in the compute dtype of what :meth:`_encode_kv` stored (the stored tensor
+        itself when it is not quantized). Every self K/V read goes through here."""
+        if isinstance(stored, QuantizedFrames):
+            return stored.dequantize(state.dtype)
+        return stored
+
+    def _storage_dtype(self, state: TagState) -> torch.dtype:
+        """The dtype of the stored self K/V elements of a tag: ``kv_cache_dtype`` or the compute dtype."""
+        return self.kv_cache_dtype or state.dtype
+
     # ------------------------------------------------------------------ self-attention entries (subclasses)
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> Any:
         raise NotImplementedError
@@ -484,8 +526,20 @@ class BaseKVCacheEngine:
     def self_cache_bytes(self, cache_tag: str | None = None) -> int:
         """Bytes of the self-attention K/V held (all tags when ``cache_tag`` is ``None``): the cache formula
         (:func:`~fastgen_diffusers.kv_cache.accounting.expected_self_cache_bytes`) over the :meth:`held_frames`
-        tokens."""
+        tokens, in the storage dtype, plus the scales of an 8-bit cache (:meth:`self_cache_scale_bytes`)."""
         return self.allocated_self_cache_bytes(cache_tag)
+
+    def self_cache_scale_bytes(self, cache_tag: str | None = None) -> int:
+        """Bytes of the float32 scales of an 8-bit cache held (0 without ``kv_cache_dtype``), part of
+        :meth:`self_cache_bytes`: :func:`~fastgen_diffusers.kv_cache.accounting.expected_scale_bytes` over the
+        :meth:`held_frames`."""
+        if self.kv_cache_dtype is None:
+            return 0
+        return sum(
+            expected_scale_bytes(self.num_blocks, state.batch_size, state.num_heads, self.held_frames(tag))
+            for tag, state in self._tags.items()
+            if cache_tag is None or tag == cache_tag
+        )
 
     def allocated_self_cache_bytes(self, cache_tag: str | None = None) -> int:
         """Bytes of the self-attention tensors the engine has allocated (preallocating engines: their capacity)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .base import BaseKVCacheEngine
 from .static_engine import StaticKVCacheEngine
 from .vanilla_engine import VanillaKVCacheEngine
@@ -18,6 +20,8 @@ def make_engines(
     window_frames: int | None = None,
     sink_frames: int = 0,
     max_frames: int | None = None,
+    # 8-bit KV cache (#15 §5)
+    kv_cache_dtype: torch.dtype | str | None = None,
 ) -> dict[str, BaseKVCacheEngine]:
     """One engine per branch of ``transformer`` (``transformer.kv_cache_branches()``), ready for
     ``transformer.set_kv_cache_engines(...)``.
@@ -28,15 +32,21 @@ def make_engines(
         window_frames: sliding attention window in latent frames, own frames and sink included (``None``: no window).
         sink_frames: first latent frames kept for ever inside the window.
         max_frames: latent frames of the rollout, so that static engines allocate once (ignored by ``"vanilla"``).
+        kv_cache_dtype: ``None`` (default: the compute dtype) or 8-bit storage of the self K/V,
+            ``torch.float8_e4m3fn`` or ``torch.int8`` (or its name); see :class:`BaseKVCacheEngine`.
     """
     if kind == "static":
         return {
-            name: StaticKVCacheEngine(max_frames, window_frames=window_frames, sink_frames=sink_frames)
+            name: StaticKVCacheEngine(
+                max_frames, window_frames=window_frames, sink_frames=sink_frames, kv_cache_dtype=kv_cache_dtype
+            )
             for name in transformer.kv_cache_branches()
         }
     if kind == "vanilla":
         return {
-            name: VanillaKVCacheEngine(window_frames=window_frames, sink_frames=sink_frames)
+            name: VanillaKVCacheEngine(
+                window_frames=window_frames, sink_frames=sink_frames, kv_cache_dtype=kv_cache_dtype
+            )
             for name in transformer.kv_cache_branches()
         }
     raise ValueError(f"`kind` must be one of {ENGINE_KINDS}, got {kind!r}.")

@@ -50,6 +50,8 @@ class RolloutOptions:
     kv_cache_policy: str | None = None
     context_frames: int | None = None
     kv_cache_attention_bias: float | None = None
+    # 8-bit KV cache (#15 §5): storage dtype of the self K/V (None: the compute dtype)
+    kv_cache_dtype: torch.dtype | str | None = None
 
 
 @dataclass(kw_only=True)

@@ -436,6 +436,8 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
         num_videos_per_prompt: int = 1,
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -518,6 +520,8 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             num_videos_per_prompt (`int`, defaults to `1`):
                 Videos per prompt, as in diffusers: the prompts (and their embeddings) are repeated, so `latents` and a
                 list of `generator`s cover `batch * num_videos_per_prompt` videos.
+            kv_cache_dtype (`torch.dtype` or `str`, *optional*):
+                8-bit KV cache (`torch.float8_e4m3fn` or `torch.int8`), as in [`WanCausalPipeline.__call__`].
 
         Examples:
 
@@ -558,5 +562,6 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 sink_frames=sink_frames,
                 kv_cache_engine=kv_cache_engine,
                 num_videos_per_prompt=num_videos_per_prompt,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )

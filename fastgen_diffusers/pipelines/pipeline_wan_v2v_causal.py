@@ -172,7 +172,9 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         known = chunker.num_chunks is not None
         num_frames = chunker.num_used_frames if known else chunker.chunk_num_frames(0)
         shape = RolloutShape(chunker.height, chunker.width, num_frames)
-        self.check_kv_cache_inputs(options.kv_cache_engine, options.attention_window, options.sink_frames)
+        self.check_kv_cache_inputs(
+            options.kv_cache_engine, options.attention_window, options.sink_frames, options.kv_cache_dtype
+        )
         self.check_inputs(replace(options, latents=None, num_frames=num_frames), shape, batch_size)
         self.check_noise(options.latents, shape, batch_size, known)
         bounds = self.video_chunk_bounds(chunker, max(prompt_schedule, default=0))
@@ -204,7 +206,11 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
 
         # 4. Fresh KV-cache engines (sized for a list; a static engine grows for a live video) and the session
         self.configure_kv_cache(
-            options.kv_cache_engine, options.attention_window, options.sink_frames, bounds if known else bounds[:1]
+            options.kv_cache_engine,
+            options.attention_window,
+            options.sink_frames,
+            bounds if known else bounds[:1],
+            kv_cache_dtype=options.kv_cache_dtype,
         )
         session = self.open_session(
             Conditioner(),
@@ -262,6 +268,8 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         attention_window: int | None = None,
         sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for video-to-video generation.
@@ -331,5 +339,6 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 attention_window=attention_window,
                 sink_frames=sink_frames,
                 kv_cache_engine=kv_cache_engine,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )

@@ -261,6 +261,8 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
         num_videos_per_prompt: int = 1,
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         Generate a video steered by a control video, its mask and reference images.
@@ -286,6 +288,9 @@ class WanCausalVACEPipeline(WanCausalPipeline):
                 The KV-cache engines of both branches ("main" and "vace"), as in [`WanCausalPipeline.__call__`].
             num_videos_per_prompt (`int`, defaults to `1`):
                 Videos per prompt, as in [`WanCausalPipeline.__call__`]; the control inputs are shared.
+            kv_cache_dtype (`torch.dtype` or `str`, *optional*):
+                8-bit KV cache of both branches (`torch.float8_e4m3fn` or `torch.int8`), as in
+                [`WanCausalPipeline.__call__`].
 
         Returns:
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`, as [`WanCausalPipeline`].
@@ -326,5 +331,6 @@ class WanCausalVACEPipeline(WanCausalPipeline):
                 sink_frames=sink_frames,
                 kv_cache_engine=kv_cache_engine,
                 num_videos_per_prompt=num_videos_per_prompt,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )

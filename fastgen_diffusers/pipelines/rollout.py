@@ -27,7 +27,7 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import get_module_execution_device
 
 from ..chunking import ChunkPlan, chunk_bounds, chunk_layout
-from ..kv_cache import ENGINE_KINDS, AttentionWindow, make_engines
+from ..kv_cache import ENGINE_KINDS, AttentionWindow, make_engines, resolve_kv_cache_dtype
 from ..parallel import is_main_process
 from .arguments import check_prompt_schedule, prepare_call_options
 from .conditioning import Conditioner
@@ -232,7 +232,9 @@ class CausalRolloutMixin(PromptScheduleMixin):
         options = replace(options, prompt=prompt, prompt_embeds=prompt_embeds)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         shape = self.check_conditioning_inputs(options, batch_size)
-        self.check_kv_cache_inputs(options.kv_cache_engine, options.attention_window, options.sink_frames)
+        self.check_kv_cache_inputs(
+            options.kv_cache_engine, options.attention_window, options.sink_frames, options.kv_cache_dtype
+        )
         check_recompute_inputs(
             options.kv_cache_policy, options.context_frames, options.attention_window, options.sink_frames,
             options.keep_cache, options.recache, options.kv_cache_attention_bias,
@@ -280,7 +282,13 @@ class CausalRolloutMixin(PromptScheduleMixin):
         cache_bounds = bounds
         if options.kv_cache_policy == RECOMPUTE:  # the cache never holds more than the context and one chunk
             cache_bounds = [(0, options.context_frames + max(end - start for start, end in bounds))]
-        self.configure_kv_cache(options.kv_cache_engine, options.attention_window, options.sink_frames, cache_bounds)
+        self.configure_kv_cache(
+            options.kv_cache_engine,
+            options.attention_window,
+            options.sink_frames,
+            cache_bounds,
+            kv_cache_dtype=options.kv_cache_dtype,
+        )
         session = self.open_session(
             conditioner,
             prompt_embeds,
@@ -505,9 +513,13 @@ class CausalRolloutMixin(PromptScheduleMixin):
         attention_window: int | None,
         sink_frames: int,
         chunk_bounds: Sequence[tuple[int, int]],
+        *,
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
         """Give the transformer fresh engines of kind ``kv_cache_engine`` (``"static"`` or ``"vanilla"``) with the
-        sliding window ``attention_window`` / ``sink_frames`` (latent frames), sized for the rollout's chunks.
+        sliding window ``attention_window`` / ``sink_frames`` (latent frames), sized for the rollout's chunks, storing
+        self K/V as ``kv_cache_dtype`` (``None``: the compute dtype; 8-bit: ``torch.float8_e4m3fn``, ``torch.int8``).
 
         ``kv_cache_engine=None`` keeps the engines the transformer has (e.g. ones set with
         ``transformer.set_kv_cache_engines``). Called at the start of a rollout, whose caches are empty anyway.
@@ -523,18 +535,28 @@ class CausalRolloutMixin(PromptScheduleMixin):
             window_frames=attention_window,
             sink_frames=sink_frames,
             max_frames=chunk_bounds[-1][1],
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.transformer.set_kv_cache_engines(engines)
 
     @staticmethod
-    def check_kv_cache_inputs(kv_cache_engine: str | None, attention_window: int | None, sink_frames: int) -> None:
-        """Raise ``ValueError`` for an engine kind or window the engines cannot serve (the window settings by
-        [`AttentionWindow`], the engines' own rule)."""
+    def check_kv_cache_inputs(
+        kv_cache_engine: str | None,
+        attention_window: int | None,
+        sink_frames: int,
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
+    ) -> None:
+        """Raise ``ValueError`` for an engine kind, window or storage dtype the engines cannot serve (the window
+        settings by [`AttentionWindow`], the engines' own rule; ``kv_cache_dtype`` by
+        [`resolve_kv_cache_dtype`])."""
         if kv_cache_engine is not None and kv_cache_engine not in ENGINE_KINDS:
             raise ValueError(f"`kv_cache_engine` must be one of {ENGINE_KINDS} or None, got {kv_cache_engine!r}.")
         if kv_cache_engine is None and (attention_window is not None or sink_frames):
             raise ValueError("`attention_window`/`sink_frames` need a `kv_cache_engine` ('static' or 'vanilla').")
         AttentionWindow.from_arguments(attention_window, sink_frames)
+        if resolve_kv_cache_dtype(kv_cache_dtype) is not None and kv_cache_engine is None:
+            raise ValueError("`kv_cache_dtype` needs a `kv_cache_engine` ('static' or 'vanilla').")
 
     def check_rollout_inputs(
         self,
