@@ -34,6 +34,8 @@ class CausalContext:
             blocks then writes nothing again.
         attention_bias: Krea's KV-cache attention bias in ``(0, 1]``: a denoising forward (``store_kv=False``) adds
             ``log(attention_bias)`` to the logits of the cached keys after the first frame (the anchor); 1: off.
+        query_positions: temporal RoPE positions of the call's frames when the engines store keys before RoPE (set
+            by the model from the engines' ``key_positions``); ``None``: absolute frames.
     """
 
     cache_engines: Mapping[str, BaseKVCacheEngine]
@@ -49,6 +51,7 @@ class CausalContext:
     block_masks: BlockMaskMemo = field(default_factory=BlockMaskMemo)
     committed: bool = False
     attention_bias: float = 1.0
+    query_positions: tuple[int, ...] | None = None
 
     @property
     def is_multi_chunk(self) -> bool:

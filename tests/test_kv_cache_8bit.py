@@ -361,3 +361,27 @@ def test_the_kv8_benchmark_runs_in_its_tiny_mode(capsys):
         line = next(line for line in printed.splitlines() if line.startswith(f"[static {dtype}]"))
         assert "(data 0.250 + scales" in line  # 1 byte per element, plus the scales
     assert "error vs float32 cache" in printed
+
+
+# ---------------------------------------------------------------------- with window-relative RoPE and the EMA sink
+def test_the_ema_sink_and_an_8bit_cache_do_not_combine():
+    with pytest.raises(ValueError, match="`sink_update='ema'` cannot be combined with an 8-bit `kv_cache_dtype`"):
+        StaticKVCacheEngine(
+            window_frames=9, sink_frames=3, rope_positions="window", sink_update="ema", kv_cache_dtype="int8"
+        )
+    pipe = tiny_pipeline()
+    with pytest.raises(ValueError, match="cannot be combined with an 8-bit"):
+        generate(pipe, 2, rope_positions="window", sink_update="ema", kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_relative_rope_keys_are_stored_8bit_and_rotated_after_dequantization(dtype):
+    pipe = tiny_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    reference = generate(pipe, 8, rope_positions="window")
+    latents = {
+        kind: generate(pipe, 8, kv_cache_engine=kind, rope_positions="window", kv_cache_dtype=dtype) for kind in KINDS
+    }
+    assert torch.allclose(latents["static"], latents["vanilla"], rtol=0, atol=1e-5)
+    error = (latents["static"] - reference).abs()
+    assert 1e-6 < error.max() < 0.02 and error.mean() < 2e-3

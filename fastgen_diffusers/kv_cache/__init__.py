@@ -1,9 +1,10 @@
 """KV-cache engines: per-branch storage of self- and cross-attention K/V for causal rollouts."""
 
 from .accounting import expected_scale_bytes, expected_self_cache_bytes
-from .base import BaseKVCacheEngine
+from .base import SINK_UPDATES, BaseKVCacheEngine
 from .cross import CrossKVEntry, CrossKVMode
 from .factory import ENGINE_KINDS, make_engines
+from .positions import ROPE_POSITION_MODES, RopePositionMode, RopePositions
 from .quantize import KV_CACHE_DTYPE_NAMES, QuantizedFrames, resolve_kv_cache_dtype
 from .static_engine import StaticKVCacheEngine
 from .tags import TagState
@@ -19,6 +20,10 @@ __all__ = [
     "KVCacheEngine",
     "KV_CACHE_DTYPE_NAMES",
     "QuantizedFrames",
+    "ROPE_POSITION_MODES",
+    "RopePositionMode",
+    "RopePositions",
+    "SINK_UPDATES",
     "StaticKVCacheEngine",
     "TagState",
     "VanillaKVCacheEngine",

@@ -149,6 +149,12 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             Stored default clean frames the recompute policy re-encodes before each chunk.
         kv_cache_attention_bias (`float`, *optional*):
             Stored default attention weight on cached frames under the recompute policy (Krea: 0.3).
+        rope_positions (`str`, defaults to `"absolute"`):
+            Stored default temporal RoPE positions of the cached keys (`"window"`: Reward Forcing's).
+        sink_update (`str`, defaults to `"fixed"`):
+            Stored default sink update (`"ema"`: Reward Forcing's).
+        sink_decay (`float`, defaults to `0.999`):
+            Stored default decay of the EMA sink.
 
     A pipeline runs one rollout at a time: its KV caches live in the transformer. A call while a `stream()` of the same
     pipeline (or of one sharing its transformer) is open, or from a second thread while one runs, raises a
@@ -174,6 +180,10 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         kv_cache_policy: str | None = None,
         context_frames: int | None = None,
         kv_cache_attention_bias: float | None = None,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str = "absolute",
+        sink_update: str = "fixed",
+        sink_decay: float = 0.999,
     ):
         super().__init__()
         if transformer is not None and not isinstance(transformer, self._transformer_class):
@@ -196,6 +206,9 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             kv_cache_policy=kv_cache_policy,
             context_frames=context_frames,
             kv_cache_attention_bias=kv_cache_attention_bias,
+            rope_positions=rope_positions,
+            sink_update=sink_update,
+            sink_decay=sink_decay,
         )
         self._init_rollout_state()
         self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal if getattr(self, "vae", None) else 4
@@ -295,6 +308,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             o.sigmas,
             o.context_noise,
             o.first_chunk_timesteps,
+            rope_positions=o.rope_positions,
         )
 
         if prompt is not None and prompt_embeds is not None:
@@ -404,6 +418,10 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         kv_cache_policy: str | None = None,
         context_frames: int | None = None,
         kv_cache_attention_bias: float | None = None,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str | None = None,
+        sink_update: str | None = None,
+        sink_decay: float | None = None,
         # 8-bit KV cache (#15 §5)
         kv_cache_dtype: torch.dtype | str | None = None,
     ) -> WanPipelineOutput | tuple:
@@ -505,6 +523,18 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             kv_cache_attention_bias (`float`, *optional*):
                 Krea's / scope's attention bias in [0.01, 1] (recompute only): the denoising forwards add `log(bias)`
                 to the logits of the cached keys except the first (anchor) frame; 1 (default) adds no mask at all.
+            rope_positions (`str`, *optional*):
+                Temporal RoPE positions of the cached keys: `"absolute"` (each frame at its own position; keys cached
+                after RoPE) or `"window"` (Reward Forcing: keys cached before RoPE and rotated by their slot in
+                `[sink | recent frames | chunk]`, so positions stay below `attention_window` and a stream never
+                leaves the RoPE table; needs `attention_window`). Defaults to the pipeline's stored `rope_positions`
+                (`"absolute"`).
+            sink_update (`str`, *optional*):
+                `"fixed"` (the sink keeps its first K/V) or `"ema"` (Reward Forcing: when frames leave the window,
+                `sink = sink_decay * sink + (1 - sink_decay) * evicted`, per block, K and V; needs `sink_frames`,
+                `rope_positions="window"` and chunks of `sink_frames` frames). Defaults to the stored one (`"fixed"`).
+            sink_decay (`float`, *optional*):
+                The EMA's decay in (0, 1); defaults to the stored one (0.999, Reward Forcing's).
             kv_cache_dtype (`torch.dtype` or `str`, *optional*):
                 8-bit KV cache (off by default): `torch.float8_e4m3fn` or `torch.int8` (or `"float8_e4m3fn"` /
                 `"int8"`) stores the self-attention K/V of finished chunks in 1 byte per element with one float32 scale
@@ -551,6 +581,9 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 kv_cache_policy=kv_cache_policy,
                 context_frames=context_frames,
                 kv_cache_attention_bias=kv_cache_attention_bias,
+                rope_positions=rope_positions,
+                sink_update=sink_update,
+                sink_decay=sink_decay,
                 kv_cache_dtype=kv_cache_dtype,
             )
         )

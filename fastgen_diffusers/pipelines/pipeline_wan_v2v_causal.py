@@ -36,7 +36,13 @@ from .conditioning import Conditioner
 from .options import RolloutOptions
 from .pipeline_wan_causal import WanCausalPipeline
 from .policy_v2v import VideoChunkPlan, VideoToVideoPolicy
-from .rollout import RolloutRun, RolloutShape, check_window_fits_chunks
+from .rollout import (
+    RolloutRun,
+    RolloutShape,
+    check_sink_update_fits_chunks,
+    check_window_fits_chunks,
+    kv_cache_position_options,
+)
 from .streaming_encode import StreamingWanEncoder
 from .strength import StrengthInput, StrengthSchedule
 from .video_latents import VideoToVideoSource
@@ -173,12 +179,18 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         num_frames = chunker.num_used_frames if known else chunker.chunk_num_frames(0)
         shape = RolloutShape(chunker.height, chunker.width, num_frames)
         self.check_kv_cache_inputs(
-            options.kv_cache_engine, options.attention_window, options.sink_frames, options.kv_cache_dtype
+            options.kv_cache_engine,
+            options.attention_window,
+            options.sink_frames,
+            **kv_cache_position_options(options),
+            kv_cache_dtype=options.kv_cache_dtype,
         )
         self.check_inputs(replace(options, latents=None, num_frames=num_frames), shape, batch_size)
         self.check_noise(options.latents, shape, batch_size, known)
         bounds = self.video_chunk_bounds(chunker, max(prompt_schedule, default=0))
         check_window_fits_chunks(options.attention_window, options.sink_frames, bounds)
+        if known:
+            check_sink_update_fits_chunks(options.attention_window, options.sink_frames, options.sink_update, bounds)
 
         # 2. Encode input prompt
         device = self._execution_device
@@ -210,6 +222,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             options.attention_window,
             options.sink_frames,
             bounds if known else bounds[:1],
+            **kv_cache_position_options(options),
             kv_cache_dtype=options.kv_cache_dtype,
         )
         session = self.open_session(
@@ -268,6 +281,10 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         attention_window: int | None = None,
         sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str | None = None,
+        sink_update: str | None = None,
+        sink_decay: float | None = None,
         # 8-bit KV cache (#15 §5)
         kv_cache_dtype: torch.dtype | str | None = None,
     ) -> WanPipelineOutput | tuple:
@@ -303,6 +320,8 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 As in [`WanCausalPipeline.__call__`], except `num_frames` (the video's length decides),
                 `num_videos_per_prompt` and `keep_cache` (a restyled input cannot be continued), which this pipeline
                 does not take.
+            rope_positions, sink_update, sink_decay:
+                Window-relative RoPE and the EMA sink, as in [`WanCausalPipeline.__call__`].
 
         Examples:
 
@@ -339,6 +358,9 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 attention_window=attention_window,
                 sink_frames=sink_frames,
                 kv_cache_engine=kv_cache_engine,
+                rope_positions=rope_positions,
+                sink_update=sink_update,
+                sink_decay=sink_decay,
                 kv_cache_dtype=kv_cache_dtype,
             )
         )

@@ -27,7 +27,8 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import get_module_execution_device
 
 from ..chunking import ChunkPlan, chunk_bounds, chunk_layout
-from ..kv_cache import ENGINE_KINDS, AttentionWindow, make_engines, resolve_kv_cache_dtype
+from ..kv_cache import ENGINE_KINDS, ROPE_POSITION_MODES, AttentionWindow, make_engines
+from ..kv_cache.base import check_ema_chunks, check_kv_cache_dtype, check_rope_and_sink_settings
 from ..parallel import is_main_process
 from .arguments import check_prompt_schedule, prepare_call_options
 from .conditioning import Conditioner
@@ -50,7 +51,20 @@ __all__ = [
     "RolloutRun",
     "RolloutShape",
     "check_window_fits_chunks",
+    "kv_cache_position_options",
 ]
+
+# window-relative RoPE and EMA sink (Reward Forcing): the engine options a call may set, and their defaults
+KV_CACHE_POSITION_DEFAULTS = {"rope_positions": "absolute", "sink_update": "fixed", "sink_decay": 0.999}
+
+
+def kv_cache_position_options(options: Any) -> dict[str, Any]:
+    """The call's ``rope_positions`` / ``sink_update`` / ``sink_decay`` (resolved: defaults where still ``None``),
+    as engine keyword arguments."""
+    return {
+        name: default if getattr(options, name, None) is None else getattr(options, name)
+        for name, default in KV_CACHE_POSITION_DEFAULTS.items()
+    }
 
 
 def check_window_fits_chunks(
@@ -62,6 +76,15 @@ def check_window_fits_chunks(
     fit the window beside the sink (a chunk inside the sink, e.g. ``[0, 3)`` with sink 3 and window 4, fits).
     """
     AttentionWindow(attention_window, sink_frames).check_chunks(chunk_bounds)
+
+
+def check_sink_update_fits_chunks(
+    attention_window: int | None, sink_frames: int, sink_update: str, chunk_bounds: Sequence[tuple[int, int]]
+) -> None:
+    """Raise ``ValueError`` (before any work) when ``sink_update="ema"`` would meet an eviction of a frame count other
+    than ``sink_frames`` in a rollout of ``chunk_bounds`` (the engines' rule, :func:`check_ema_eviction`)."""
+    if sink_update == "ema":
+        check_ema_chunks(AttentionWindow(attention_window, sink_frames), chunk_bounds)
 
 
 @dataclass(frozen=True)
@@ -176,7 +199,8 @@ class CausalRolloutMixin(PromptScheduleMixin):
         * ``timesteps`` (and ``first_chunk_timesteps``): the stored ones when the call names no schedule
           (``num_inference_steps``, ``timesteps`` or ``sigmas``); else 4 steps.
         * ``context_noise``: the stored one (0 by default).
-        * ``attention_window`` / ``sink_frames``: the stored ones when a ``kv_cache_engine`` is configured.
+        * ``attention_window`` / ``sink_frames`` / ``rope_positions`` / ``sink_update`` / ``sink_decay``: the stored
+          ones when a ``kv_cache_engine`` is configured.
         * a ``PipelineCallback``'s ``tensor_inputs``.
         * ``kv_cache_policy`` / ``context_frames`` / ``kv_cache_attention_bias``: the stored ones, when present and
           the call names no other policy.
@@ -198,6 +222,9 @@ class CausalRolloutMixin(PromptScheduleMixin):
             changes["attention_window"] = config.get("attention_window")
         if options.sink_frames is None:
             changes["sink_frames"] = config.get("sink_frames", 0) if stored else 0
+        for name, default in KV_CACHE_POSITION_DEFAULTS.items():
+            if hasattr(options, name) and getattr(options, name) is None:
+                changes[name] = config.get(name, default) if stored else default
         # A call naming its own policy (say "sequential" over a stored "recompute") takes none of the stored
         # recompute settings; otherwise the stored ones fill what the call leaves out.
         own_policy = getattr(options, "kv_cache_policy", None)
@@ -233,7 +260,11 @@ class CausalRolloutMixin(PromptScheduleMixin):
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         shape = self.check_conditioning_inputs(options, batch_size)
         self.check_kv_cache_inputs(
-            options.kv_cache_engine, options.attention_window, options.sink_frames, options.kv_cache_dtype
+            options.kv_cache_engine,
+            options.attention_window,
+            options.sink_frames,
+            **kv_cache_position_options(options),
+            kv_cache_dtype=options.kv_cache_dtype,
         )
         check_recompute_inputs(
             options.kv_cache_policy, options.context_frames, options.attention_window, options.sink_frames,
@@ -244,6 +275,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         bounds = self.rollout_chunk_bounds(num_latent_frames, options.chunk_size)
         self.check_conditioning_fits(options, bounds)
         check_window_fits_chunks(options.attention_window, options.sink_frames, bounds)
+        check_sink_update_fits_chunks(options.attention_window, options.sink_frames, options.sink_update, bounds)
         check_prompt_schedule(self, prompt_schedule, bounds, shape.num_reference_frames)
 
         # 2. Encode input prompt
@@ -287,6 +319,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
             options.attention_window,
             options.sink_frames,
             cache_bounds,
+            **kv_cache_position_options(options),
             kv_cache_dtype=options.kv_cache_dtype,
         )
         session = self.open_session(
@@ -513,13 +546,17 @@ class CausalRolloutMixin(PromptScheduleMixin):
         attention_window: int | None,
         sink_frames: int,
         chunk_bounds: Sequence[tuple[int, int]],
-        *,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str = "absolute",
+        sink_update: str = "fixed",
+        sink_decay: float = 0.999,
         # 8-bit KV cache (#15 §5)
         kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
         """Give the transformer fresh engines of kind ``kv_cache_engine`` (``"static"`` or ``"vanilla"``) with the
-        sliding window ``attention_window`` / ``sink_frames`` (latent frames), sized for the rollout's chunks, storing
-        self K/V as ``kv_cache_dtype`` (``None``: the compute dtype; 8-bit: ``torch.float8_e4m3fn``, ``torch.int8``).
+        sliding window ``attention_window`` / ``sink_frames`` (latent frames), sized for the rollout's chunks, and
+        the positions mode and sink update ``rope_positions`` / ``sink_update`` / ``sink_decay``, storing self K/V as
+        ``kv_cache_dtype`` (``None``: the compute dtype; 8-bit: ``torch.float8_e4m3fn``, ``torch.int8``).
 
         ``kv_cache_engine=None`` keeps the engines the transformer has (e.g. ones set with
         ``transformer.set_kv_cache_engines``). Called at the start of a rollout, whose caches are empty anyway.
@@ -535,6 +572,9 @@ class CausalRolloutMixin(PromptScheduleMixin):
             window_frames=attention_window,
             sink_frames=sink_frames,
             max_frames=chunk_bounds[-1][1],
+            rope_positions=rope_positions,
+            sink_update=sink_update,
+            sink_decay=sink_decay,
             kv_cache_dtype=kv_cache_dtype,
         )
         self.transformer.set_kv_cache_engines(engines)
@@ -544,18 +584,30 @@ class CausalRolloutMixin(PromptScheduleMixin):
         kv_cache_engine: str | None,
         attention_window: int | None,
         sink_frames: int,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str = "absolute",
+        sink_update: str = "fixed",
+        sink_decay: float = 0.999,
         # 8-bit KV cache (#15 §5)
         kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
-        """Raise ``ValueError`` for an engine kind, window or storage dtype the engines cannot serve (the window
-        settings by [`AttentionWindow`], the engines' own rule; ``kv_cache_dtype`` by
-        [`resolve_kv_cache_dtype`])."""
+        """Raise ``ValueError`` for an engine kind, window, positions mode, sink update or storage dtype the engines
+        cannot serve (the window settings by [`AttentionWindow`], the others by the engines' own checks)."""
         if kv_cache_engine is not None and kv_cache_engine not in ENGINE_KINDS:
             raise ValueError(f"`kv_cache_engine` must be one of {ENGINE_KINDS} or None, got {kv_cache_engine!r}.")
         if kv_cache_engine is None and (attention_window is not None or sink_frames):
             raise ValueError("`attention_window`/`sink_frames` need a `kv_cache_engine` ('static' or 'vanilla').")
-        AttentionWindow.from_arguments(attention_window, sink_frames)
-        if resolve_kv_cache_dtype(kv_cache_dtype) is not None and kv_cache_engine is None:
+        custom = (rope_positions, sink_update, sink_decay) != tuple(KV_CACHE_POSITION_DEFAULTS.values())
+        if kv_cache_engine is None and custom:
+            raise ValueError(
+                "`rope_positions`/`sink_update`/`sink_decay` configure the engines a `kv_cache_engine` ('static' or "
+                "'vanilla') builds; with kv_cache_engine=None set them on your own engines."
+            )
+        window = AttentionWindow.from_arguments(attention_window, sink_frames)
+        check_rope_and_sink_settings(
+            window, rope_positions, sink_update, sink_decay, window_name="attention_window", sink_name="sink_frames"
+        )
+        if check_kv_cache_dtype(kv_cache_dtype, sink_update) is not None and kv_cache_engine is None:
             raise ValueError("`kv_cache_dtype` needs a `kv_cache_engine` ('static' or 'vanilla').")
 
     def check_rollout_inputs(
@@ -567,18 +619,25 @@ class CausalRolloutMixin(PromptScheduleMixin):
         sigmas: Sequence[float] | None,
         context_noise: float,
         first_chunk_timesteps: Sequence[float] | None = None,
+        rope_positions: str | None = None,
     ) -> None:
-        """Raise ``ValueError`` for a chunking, schedule or context timestep the rollout cannot serve."""
+        """Raise ``ValueError`` for a chunking, schedule or context timestep the rollout cannot serve.
+
+        ``rope_positions``: the call's positions mode; one whose positions stay within the window
+        (``"window"``) serves a video of any length."""
         config = self.transformer.config
+        bounded = rope_positions in ROPE_POSITION_MODES and ROPE_POSITION_MODES[rope_positions].bounded
         if chunk_size is not None and (
             not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
         ):
             raise ValueError(f"`chunk_size` must be a positive number of latent frames or None, got {chunk_size!r}.")
-        if num_latent_frames > config.rope_max_seq_len and not getattr(self.transformer, "rope_rebasing", False):
+        rebasing = getattr(self.transformer, "rope_rebasing", False)
+        if num_latent_frames > config.rope_max_seq_len and not rebasing and not bounded:
             raise ValueError(
                 f"{num_latent_frames} latent frames run past the transformer's RoPE table of "
                 f"{config.rope_max_seq_len} frames (`rope_max_seq_len`); ask for fewer `num_frames`, or call "
-                "`pipe.transformer.enable_rope_rebasing()` (with an `attention_window`) for longer videos."
+                "`pipe.transformer.enable_rope_rebasing()` (with an `attention_window`), or use "
+                "`rope_positions='window'` (positions within the window) for longer videos."
             )
         for start, end in self.rollout_chunk_bounds(num_latent_frames, chunk_size):
             served = self.transformer.chunk_layout_for(end - start, start)
