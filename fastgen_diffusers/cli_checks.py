@@ -89,6 +89,7 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise UsageError(f"--seed must be in [0, 2**64), got {args.seed}.")
     check_kv_cache_policy(args)
     check_kv_cache_positions(args)
+    check_kv_cache_dtype(args)
     if args.attention_window is None:
         if args.sink_frames is not None:
             raise UsageError("--sink-frames needs --attention-window (the sink is kept inside the window).")
@@ -142,6 +143,17 @@ def check_kv_cache_positions(args: argparse.Namespace) -> None:
         )
     if args.attention_window is not None and not args.sink_frames:
         raise UsageError("--sink-update ema averages evicted frames into the sink: give --sink-frames > 0.")
+
+
+def check_kv_cache_dtype(args: argparse.Namespace) -> None:
+    """``--kv-cache-dtype float8_e4m3fn`` needs a torch with that dtype (``int8`` always works)."""
+    name = getattr(args, "kv_cache_dtype", None)
+    if name is None:
+        return
+    import torch
+
+    if getattr(torch, name, None) is None:
+        raise UsageError(f"--kv-cache-dtype {name} needs a torch with {name} (torch {torch.__version__}); use int8.")
 
 
 def _wants_vace(args: argparse.Namespace) -> bool:

@@ -40,6 +40,10 @@ absolute; ``rope_positions="window"`` puts them at their slot of the window inst
 the evicted frames into the sink (:meth:`BaseKVCacheEngine.begin_call`). A call that
 needs an evicted frame is an error, except inside a windowed recache (:meth:`BaseKVCacheEngine.skip_evicted`), whose
 calls attend to the frames held.
+
+Storage dtype (``kv_cache_dtype``, off by default): an 8-bit engine stores completed frames quantized, one float32
+scale per (sample, frame, head) (:mod:`~fastgen_diffusers.kv_cache.quantize`); every store goes through
+:meth:`BaseKVCacheEngine._encode_kv` and every read through :meth:`BaseKVCacheEngine._decode_kv`.
 """
 
 from __future__ import annotations
@@ -51,9 +55,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .accounting import tensor_bytes
+from .accounting import expected_scale_bytes, tensor_bytes
 from .cross import ConditioningKey, CrossKVCache, CrossKVEntry, CrossKVMode
 from .positions import ROPE_POSITION_MODES, RopePositionMode, RopePositions
+from .quantize import QuantizedFrames, quantize_frames, resolve_kv_cache_dtype
 from .registry import BlockRegistry
 from .tags import TagState, TagTable
 from .window import AttentionWindow
@@ -144,6 +149,21 @@ def check_ema_chunks(window: AttentionWindow, chunk_bounds: Sequence[tuple[int, 
         evicted_before = check_ema_eviction(window, start, (end - start,), evicted_before, store_kv=True)
 
 
+def check_kv_cache_dtype(kv_cache_dtype: Any, sink_update: str = "fixed") -> torch.dtype | None:
+    """The resolved 8-bit storage dtype (:func:`~fastgen_diffusers.kv_cache.quantize.resolve_kv_cache_dtype`), or a
+    ``ValueError``: an unsupported dtype, or an 8-bit cache with ``sink_update="ema"``, whose updates of
+    ``(1 - sink_decay)`` of a difference (0.001 for Reward Forcing) are far below the 8-bit resolution of the stored
+    sink (1/254 of its range): re-quantized, the sink would not follow the EMA."""
+    dtype = resolve_kv_cache_dtype(kv_cache_dtype)
+    if dtype is not None and sink_update == "ema":
+        raise ValueError(
+            f"`sink_update='ema'` cannot be combined with an 8-bit `kv_cache_dtype` ({kv_cache_dtype!r}): each EMA "
+            "step moves the stored sink by less than its 8-bit resolution. Use kv_cache_dtype=None or "
+            "sink_update='fixed'."
+        )
+    return dtype
+
+
 @dataclass
 class Transaction:
     """What one forward may change of ``cache_tag``, as it was before the forward (see
@@ -177,6 +197,11 @@ class BaseKVCacheEngine:
             and block, ``sink = sink_decay * sink + (1 - sink_decay) * evicted`` for K and V (needs sink frames and
             keys stored before RoPE; see :meth:`begin_call`).
         sink_decay: the EMA's decay in ``(0, 1)`` (Reward Forcing: 0.999).
+        kv_cache_dtype: ``None`` (default: self K/V stored in the compute dtype) or an 8-bit storage dtype,
+            ``torch.float8_e4m3fn`` or ``torch.int8`` (or its name): completed frames are stored quantized with one
+            float32 scale per (sample, frame, head) (:mod:`~fastgen_diffusers.kv_cache.quantize`) and dequantized
+            on read; a call's own K/V stay in the compute dtype. Inference only: a forward with gradients enabled
+            is an error. Cross-attention K/V are not quantized.
     """
 
     def __init__(
@@ -188,12 +213,15 @@ class BaseKVCacheEngine:
         rope_positions: str = "absolute",
         sink_update: str = "fixed",
         sink_decay: float = 0.999,
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
         self.window = AttentionWindow.from_arguments(window_frames, sink_frames, frames_name="window_frames")
         self._rope_mode = check_rope_and_sink_settings(self.window, rope_positions, sink_update, sink_decay)
         self.rope_positions = rope_positions
         self.sink_update = sink_update
         self.sink_decay = float(sink_decay)
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, sink_update)
         self.blocks = BlockRegistry()
         self._tags = TagTable()
         self._self_kv: list[dict[str, Any]] = []
@@ -273,6 +301,11 @@ class BaseKVCacheEngine:
             "dtype": dtype,
             "device": device,
         }
+        if self.kv_cache_dtype is not None and torch.is_grad_enabled():
+            raise ValueError(
+                f"An 8-bit KV cache (`kv_cache_dtype={self.kv_cache_dtype}`) serves inference only: run the forward "
+                "under `torch.no_grad()` or `torch.inference_mode()`, or use engines without `kv_cache_dtype`."
+            )
         self._tags.check_call(cache_tag, self.window, start_frame, chunk_layout, layout)
         if self.sink_update == "ema":
             self._check_ema_call(cache_tag, start_frame, chunk_layout, store_kv)
@@ -630,6 +663,25 @@ class BaseKVCacheEngine:
         """Forget the cross K/V of ``cache_tag`` (every tag when ``None``); the next ``store_kv`` call refills them."""
         self.cross.invalidate(list(self._tags) if cache_tag is None else [cache_tag])
 
+    # ------------------------------------------------------------------ storage dtype (8-bit KV cache)
+    def _encode_kv(self, tensor: torch.Tensor, state: TagState) -> torch.Tensor | QuantizedFrames:
+        """What the engine stores for ``tensor`` ``(B, F*S, H, D)``, whole frames of ``state``'s tag: the tensor
+        itself, or its :class:`QuantizedFrames` under ``kv_cache_dtype``. Every self K/V store goes through here."""
+        if self.kv_cache_dtype is None:
+            return tensor
+        return quantize_frames(tensor, state.frame_seqlen, self.kv_cache_dtype)
+
+    def _decode_kv(self, stored: torch.Tensor | QuantizedFrames, state: TagState) -> torch.Tensor:
+        """The K or V ``(B, F*S, H, D)`` in the compute dtype of what :meth:`_encode_kv` stored (the stored tensor
+        itself when it is not quantized). Every self K/V read goes through here."""
+        if isinstance(stored, QuantizedFrames):
+            return stored.dequantize(state.dtype)
+        return stored
+
+    def _storage_dtype(self, state: TagState) -> torch.dtype:
+        """The dtype of the stored self K/V elements of a tag: ``kv_cache_dtype`` or the compute dtype."""
+        return self.kv_cache_dtype or state.dtype
+
     # ------------------------------------------------------------------ self-attention entries (subclasses)
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> Any:
         raise NotImplementedError
@@ -675,8 +727,20 @@ class BaseKVCacheEngine:
     def self_cache_bytes(self, cache_tag: str | None = None) -> int:
         """Bytes of the self-attention K/V held (all tags when ``cache_tag`` is ``None``): the cache formula
         (:func:`~fastgen_diffusers.kv_cache.accounting.expected_self_cache_bytes`) over the :meth:`held_frames`
-        tokens."""
+        tokens, in the storage dtype, plus the scales of an 8-bit cache (:meth:`self_cache_scale_bytes`)."""
         return self.allocated_self_cache_bytes(cache_tag)
+
+    def self_cache_scale_bytes(self, cache_tag: str | None = None) -> int:
+        """Bytes of the float32 scales of an 8-bit cache held (0 without ``kv_cache_dtype``), part of
+        :meth:`self_cache_bytes`: :func:`~fastgen_diffusers.kv_cache.accounting.expected_scale_bytes` over the
+        :meth:`held_frames`."""
+        if self.kv_cache_dtype is None:
+            return 0
+        return sum(
+            expected_scale_bytes(self.num_blocks, state.batch_size, state.num_heads, self.held_frames(tag))
+            for tag, state in self._tags.items()
+            if cache_tag is None or tag == cache_tag
+        )
 
     def allocated_self_cache_bytes(self, cache_tag: str | None = None) -> int:
         """Bytes of the self-attention tensors the engine has allocated (preallocating engines: their capacity)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .base import BaseKVCacheEngine
 from .static_engine import StaticKVCacheEngine
 from .vanilla_engine import VanillaKVCacheEngine
@@ -22,6 +24,8 @@ def make_engines(
     rope_positions: str = "absolute",
     sink_update: str = "fixed",
     sink_decay: float = 0.999,
+    # 8-bit KV cache (#15 §5)
+    kv_cache_dtype: torch.dtype | str | None = None,
 ) -> dict[str, BaseKVCacheEngine]:
     """One engine per branch of ``transformer`` (``transformer.kv_cache_branches()``), ready for
     ``transformer.set_kv_cache_engines(...)``.
@@ -34,6 +38,8 @@ def make_engines(
         max_frames: latent frames of the rollout, so that static engines allocate once (ignored by ``"vanilla"``).
         rope_positions, sink_update, sink_decay: window-relative RoPE and the EMA sink (see
             :class:`~fastgen_diffusers.kv_cache.BaseKVCacheEngine`).
+        kv_cache_dtype: ``None`` (default: the compute dtype) or 8-bit storage of the self K/V,
+            ``torch.float8_e4m3fn`` or ``torch.int8`` (or its name); see :class:`BaseKVCacheEngine`.
     """
     options = {
         "window_frames": window_frames,
@@ -41,6 +47,7 @@ def make_engines(
         "rope_positions": rope_positions,
         "sink_update": sink_update,
         "sink_decay": sink_decay,
+        "kv_cache_dtype": kv_cache_dtype,
     }
     if kind == "static":
         return {name: StaticKVCacheEngine(max_frames, **options) for name in transformer.kv_cache_branches()}

@@ -18,6 +18,13 @@ So a rollout allocates nothing per step and, with a window, every call attends t
 ``torch.compile`` / CUDA graph capture need. Calls with gradients (training) take the concatenating path, since an
 in-place write would be part of the graph.
 
+An 8-bit engine (``kv_cache_dtype``) holds its buffers quantized (:class:`QuantizedFrames`: 1 byte per element and a
+float32 scale per sample, frame and head). Attention cannot read those in place, and a call's own K/V must stay in the
+compute dtype, so every call of an 8-bit engine takes the gathering path: :meth:`StaticKVCacheEngine.static_call`
+returns ``None``, the visible slots are dequantized block by block and concatenated with the call's K/V, and a store
+quantizes the chunk into its slots. Slots, the ring, capacity and the undo copies (scales included) are unchanged;
+what is lost is the fixed-shape fast path (``benchmarks/bench_kv8.py`` measures the cost).
+
 Capacity: ``max_frames`` (constructor) allocates that many frame slots up front (capped at ``window_frames``). When a
 call needs more slots than allocated, the buffers grow to at least twice their size (a copy of what they hold), so
 growth happens a logarithmic number of times in a rollout; pass ``max_frames`` to allocate once.
@@ -34,6 +41,7 @@ import torch
 
 from .accounting import expected_self_cache_bytes, tensor_bytes
 from .base import BaseKVCacheEngine
+from .quantize import QuantizedFrames, stored_tensors
 from .tags import TagState
 
 
@@ -50,10 +58,11 @@ def _static_address(buffer: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StaticSelfEntry:
-    """Self-attention K/V buffers of one block and tag, each ``(B, capacity * S, H, D)`` (``S`` tokens per frame)."""
+    """Self-attention K/V buffers of one block and tag, each ``(B, capacity * S, H, D)`` (``S`` tokens per frame;
+    :class:`QuantizedFrames` under ``kv_cache_dtype``)."""
 
-    key: torch.Tensor
-    value: torch.Tensor
+    key: torch.Tensor | QuantizedFrames
+    value: torch.Tensor | QuantizedFrames
     # ``(start_frame, end_frame, key.data_ptr())`` of the call whose K/V the attention fast path just wrote into their
     # slots; the store of that same call then has nothing left to copy. Cleared at every attention call.
     written: tuple[int, int, int] | None = None
@@ -88,11 +97,11 @@ class StaticCall:
 class SlotCopy:
     """Tokens ``tokens`` of two buffers as they were before an in-place write; calling it writes them back."""
 
-    key: torch.Tensor
-    value: torch.Tensor
+    key: torch.Tensor | QuantizedFrames
+    value: torch.Tensor | QuantizedFrames
     tokens: slice
-    kept_key: torch.Tensor
-    kept_value: torch.Tensor
+    kept_key: torch.Tensor | QuantizedFrames
+    kept_value: torch.Tensor | QuantizedFrames
 
     def __call__(self) -> None:
         self.key[:, self.tokens] = self.kept_key
@@ -100,7 +109,7 @@ class SlotCopy:
 
     @property
     def nbytes(self) -> int:
-        return tensor_bytes((self.kept_key, self.kept_value))
+        return tensor_bytes((*stored_tensors(self.kept_key), *stored_tensors(self.kept_value)))
 
 
 class StaticKVCacheEngine(BaseKVCacheEngine):
@@ -114,6 +123,8 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         sink_frames: first frames kept for ever inside the window.
         rope_positions, sink_update, sink_decay: window-relative RoPE and the EMA sink (see
             :class:`BaseKVCacheEngine`).
+        kv_cache_dtype: ``None`` or 8-bit storage (``torch.float8_e4m3fn``, ``torch.int8``): quantized buffers, and
+            every call takes the gathering path (no in-place fast path; see the module docstring).
     """
 
     def __init__(
@@ -126,6 +137,8 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         rope_positions: str = "absolute",
         sink_update: str = "fixed",
         sink_decay: float = 0.999,
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
         super().__init__(
             window_frames=window_frames,
@@ -133,6 +146,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             rope_positions=rope_positions,
             sink_update=sink_update,
             sink_decay=sink_decay,
+            kv_cache_dtype=kv_cache_dtype,
         )
         if max_frames is not None and (isinstance(max_frames, bool) or not isinstance(max_frames, int)):
             raise ValueError(f"`max_frames` must be None or a positive int, got {max_frames!r}.")
@@ -149,6 +163,13 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> StaticSelfEntry:
         slots = self._capacity_for(max_frames or 1) * state.frame_seqlen
         shape = (state.batch_size, slots, state.num_heads, state.head_dim)
+        if self.kv_cache_dtype is not None:
+            return StaticSelfEntry(
+                *(
+                    QuantizedFrames.zeros(shape, state.frame_seqlen, self.kv_cache_dtype, state.device)
+                    for _ in range(2)
+                )
+            )
         return StaticSelfEntry(
             _static_address(torch.zeros(shape, dtype=state.dtype, device=state.device)),
             _static_address(torch.zeros(shape, dtype=state.dtype, device=state.device)),
@@ -168,10 +189,10 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             entry.value = self._grow(entry.value, grown)
 
     @staticmethod
-    def _grow(buffer: torch.Tensor, slots: int) -> torch.Tensor:
+    def _grow(buffer: torch.Tensor | QuantizedFrames, slots: int) -> torch.Tensor | QuantizedFrames:
         grown = buffer.new_zeros((buffer.shape[0], slots, *buffer.shape[2:]))
         grown[:, : buffer.shape[1]] = buffer
-        return _static_address(grown)
+        return _static_address(grown) if isinstance(grown, torch.Tensor) else grown
 
     # ------------------------------------------------------------------ slots
     def _slot_runs(self, first: int, last: int) -> list[tuple[int, int, int]]:
@@ -194,16 +215,17 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         return runs
 
     def _write(
-        self, entry: StaticSelfEntry, seqlen: int, key: torch.Tensor, value: torch.Tensor, key_start: int, frames
+        self, entry: StaticSelfEntry, state: TagState, key: torch.Tensor, value: torch.Tensor, key_start: int, frames
     ) -> None:
         """Copy frames ``[first, last)`` of ``key``/``value`` (whose first frame is ``key_start``) into their slots."""
         first, last = frames
+        seqlen = state.frame_seqlen
         for frame, slot, count in self._slot_runs(first, last):
             self._keep_for_undo(entry, slot, slot + count, seqlen)
             src = slice((frame - key_start) * seqlen, (frame - key_start + count) * seqlen)
             dst = slice(slot * seqlen, (slot + count) * seqlen)
-            entry.key[:, dst] = key[:, src]
-            entry.value[:, dst] = value[:, src]
+            entry.key[:, dst] = self._encode_kv(key[:, src], state)
+            entry.value[:, dst] = self._encode_kv(value[:, src], state)
 
     # ------------------------------------------------------------------ transactions
     def begin_transaction(self, cache_tag: str) -> None:
@@ -260,12 +282,12 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         single_chunk = first_chunk_frames is None or first_chunk_frames == num_frames
         in_frame_order = self.window.all_seen_until(end_frame)
         hot = start_frame == state.num_frames and (single_chunk or in_frame_order)
-        hot = hot and not state.recaching
+        hot = hot and not state.recaching and self.kv_cache_dtype is None
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
         entry.written = None
         if not hot or key.requires_grad or value.requires_grad:
             return super().self_attention_kv(block_idx, cache_tag, key, value, start_frame, first_chunk_frames)
-        self._write(entry, seqlen, key, value, start_frame, (start_frame, end_frame))
+        self._write(entry, state, key, value, start_frame, (start_frame, end_frame))
         entry.written = (start_frame, end_frame, key.data_ptr())
         visible = self.window.slots(end_frame)
         return entry.key[:, : visible * seqlen], entry.value[:, : visible * seqlen]
@@ -289,27 +311,28 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
     def _frames_kv(self, entry: StaticSelfEntry, state: TagState, first: int, last: int):
         seqlen = state.frame_seqlen
         pieces = [slice(slot * seqlen, (slot + count) * seqlen) for _, slot, count in self._slot_runs(first, last)]
-        key = torch.cat([entry.key[:, tokens] for tokens in pieces], dim=1)
-        value = torch.cat([entry.value[:, tokens] for tokens in pieces], dim=1)
+        key = torch.cat([self._decode_kv(entry.key[:, tokens], state) for tokens in pieces], dim=1)
+        value = torch.cat([self._decode_kv(entry.value[:, tokens], state) for tokens in pieces], dim=1)
         return key, value
 
     def _replace_sink(self, entry: StaticSelfEntry, state: TagState, key: torch.Tensor, value: torch.Tensor) -> None:
         seqlen = state.frame_seqlen
         frames = key.shape[1] // seqlen
         self._keep_for_undo(entry, 0, frames, seqlen)
-        entry.key[:, : frames * seqlen] = key
-        entry.value[:, : frames * seqlen] = value
+        entry.key[:, : frames * seqlen] = self._encode_kv(key, state)
+        entry.value[:, : frames * seqlen] = self._encode_kv(value, state)
 
     def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames):
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
-        seqlen = self._tags[cache_tag].frame_seqlen
+        state = self._tags[cache_tag]
+        seqlen = state.frame_seqlen
         sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames)
         keys, values = [], []
         for first, last in ((0, sink_end), (recent_start, start_frame)):
             for _, slot, count in self._slot_runs(first, last):
                 tokens = slice(slot * seqlen, (slot + count) * seqlen)
-                keys.append(entry.key[:, tokens])
-                values.append(entry.value[:, tokens])
+                keys.append(self._decode_kv(entry.key[:, tokens], state))
+                values.append(self._decode_kv(entry.value[:, tokens], state))
         return keys, values
 
     # ------------------------------------------------------------------ fixed-shape attention (compiled rollouts)
@@ -317,7 +340,8 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         self, cache_tag: str, start_frame: int, num_frames: int, first_chunk_frames: int
     ) -> StaticCall | None:
         """The fixed-buffer plan of a call, shared by every block of the branch; ``None`` for a call it cannot serve
-        (not at the end of the cache, several chunks, or gradients on): that call gathers its prefix instead.
+        (not at the end of the cache, several chunks, gradients on, or an 8-bit cache, whose buffers attention cannot
+        read in place): that call gathers its prefix instead.
 
         The call's K/V are written at :attr:`StaticCall.write_index` into :meth:`static_buffers` (by the attention
         processor) and attention reads the buffers' valid slots. Slots that hold frames the open transaction must be
@@ -326,6 +350,8 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         """
         state = self._tags.get(cache_tag)
         if state is None or start_frame != state.num_frames or first_chunk_frames != num_frames:
+            return None
+        if self.kv_cache_dtype is not None:
             return None
         if state.recaching:  # a windowed recache attends to the held frames only, not the whole window
             return None
@@ -365,7 +391,9 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         return tuple(frames)
 
     def static_buffers(self, block_idx: int, cache_tag: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fixed-size K/V buffers ``(B, capacity * S, H, D)`` of one block and tag."""
+        """The fixed-size K/V buffers ``(B, capacity * S, H, D)`` of one block and tag (not for an 8-bit cache)."""
+        if self.kv_cache_dtype is not None:
+            raise RuntimeError("An 8-bit KV cache has no compute-dtype buffers to attend to in place.")
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
         return entry.key, entry.value
 
@@ -382,7 +410,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         entry.written = None
         for frames in self._store_window(state, start_frame, end_frame):  # the bookkeeping runs either way
             if not already_in_slots:
-                self._write(entry, state.frame_seqlen, key.detach(), value.detach(), start_frame, frames)
+                self._write(entry, state, key.detach(), value.detach(), start_frame, frames)
 
     def _truncate_self_entry(self, entry: StaticSelfEntry, state: TagState, end_frame: int) -> None:
         """Nothing to free: slots are fixed, and the tag state says which frames are held."""
@@ -394,27 +422,27 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         self, entry: StaticSelfEntry, state: TagState, rotate: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
         self._keep_for_undo(entry, 0, entry.key.shape[1] // state.frame_seqlen, state.frame_seqlen)
-        entry.key.copy_(rotate(entry.key))
+        entry.key[:, :] = self._encode_kv(rotate(self._decode_kv(entry.key, state)), state)
 
     def _copy_self_entry(self, entry: StaticSelfEntry) -> StaticSelfEntry:
         # Buffers are written in place, so a fork needs its own.
         return StaticSelfEntry(entry.key.clone(), entry.value.clone())
 
     def _self_entry_tensors(self, entry: StaticSelfEntry) -> list[torch.Tensor]:
-        return [entry.key, entry.value]
+        return [*stored_tensors(entry.key), *stored_tensors(entry.value)]
 
     # ------------------------------------------------------------------ memory
     def self_cache_bytes(self, cache_tag: str | None = None) -> int:
-        """Bytes of the K/V held: the cache formula over :meth:`held_frames` (never the allocated capacity, which
-        :meth:`allocated_self_cache_bytes` reports)."""
-        return sum(
+        """Bytes of the K/V held: the cache formula over :meth:`held_frames` in the storage dtype, plus the scales
+        of an 8-bit cache (never the allocated capacity, which :meth:`allocated_self_cache_bytes` reports)."""
+        return self.self_cache_scale_bytes(cache_tag) + sum(
             expected_self_cache_bytes(
                 self.num_blocks,
                 state.batch_size,
                 state.num_heads,
                 self.held_frames(tag) * state.frame_seqlen,
                 state.head_dim,
-                state.dtype,
+                self._storage_dtype(state),
             )
             for tag, state in self._tags.items()
             if cache_tag is None or tag == cache_tag

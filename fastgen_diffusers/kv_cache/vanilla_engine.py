@@ -14,16 +14,17 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import BaseKVCacheEngine
+from .quantize import QuantizedFrames, stored_tensors
 from .tags import TagState
 
 
 @dataclass
 class VanillaSelfEntry:
     """Self-attention K/V of one block and tag: ``keys[i]``/``values[i]`` ``(B, frames*S, H, D)`` hold the contiguous
-    frames that start at ``starts[i]`` (ascending)."""
+    frames that start at ``starts[i]`` (ascending); :class:`QuantizedFrames` under ``kv_cache_dtype``."""
 
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
+    keys: list[torch.Tensor | QuantizedFrames] = field(default_factory=list)
+    values: list[torch.Tensor | QuantizedFrames] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
 
     def runs(self, frame_seqlen: int):
@@ -46,6 +47,8 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
         sink_frames: first frames kept for ever inside the window.
         rope_positions, sink_update, sink_decay: window-relative RoPE and the EMA sink (see
             :class:`BaseKVCacheEngine`; keyword-only).
+        kv_cache_dtype: ``None`` or 8-bit storage (``torch.float8_e4m3fn``, ``torch.int8``): each stored run is
+            quantized once and dequantized at every read (see :class:`BaseKVCacheEngine`).
     """
 
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> VanillaSelfEntry:
@@ -53,7 +56,8 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
 
     def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames):
         entry: VanillaSelfEntry = self._self_kv[block_idx][cache_tag]
-        seqlen = self._tags[cache_tag].frame_seqlen
+        state = self._tags[cache_tag]
+        seqlen = state.frame_seqlen
         sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames)
         keys, values = [], []
         for run_start, run_end, key, value in entry.runs(seqlen):
@@ -61,13 +65,12 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
                 first, last = max(low, run_start), min(high, run_end)
                 if first >= last:
                     continue
-                if (first, last) == (run_start, run_end):
-                    keys.append(key)
-                    values.append(value)
-                else:
+                piece_key, piece_value = key, value
+                if (first, last) != (run_start, run_end):
                     tokens = slice((first - run_start) * seqlen, (last - run_start) * seqlen)
-                    keys.append(key[:, tokens])
-                    values.append(value[:, tokens])
+                    piece_key, piece_value = key[:, tokens], value[:, tokens]
+                keys.append(self._decode_kv(piece_key, state))
+                values.append(self._decode_kv(piece_value, state))
         return keys, values
 
     def append_self_kv(self, block_idx, cache_tag, key, value, start_frame):
@@ -83,8 +86,8 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
             else:
                 tokens = slice((first - start_frame) * state.frame_seqlen, (last - start_frame) * state.frame_seqlen)
                 run_key, run_value = key[:, tokens].detach().clone(), value[:, tokens].detach().clone()
-            entry.keys.append(run_key)
-            entry.values.append(run_value)
+            entry.keys.append(self._encode_kv(run_key, state))
+            entry.values.append(self._encode_kv(run_value, state))
             entry.starts.append(first)
 
     def _truncate_self_entry(self, entry: VanillaSelfEntry, state: TagState, end_frame: int) -> None:
@@ -124,15 +127,15 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
             low, high = max(first, run_start), min(last, run_end)
             if low < high:
                 tokens = slice((low - run_start) * seqlen, (high - run_start) * seqlen)
-                keys.append(key[:, tokens])
-                values.append(value[:, tokens])
+                keys.append(self._decode_kv(key[:, tokens], state))
+                values.append(self._decode_kv(value[:, tokens], state))
         return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
     def _replace_sink(self, entry: VanillaSelfEntry, state: TagState, key: torch.Tensor, value: torch.Tensor) -> None:
         # new run tensors, never an in-place write: a transaction's snapshot (the run lists) restores the old sink
         seqlen = state.frame_seqlen
         frames = key.shape[1] // seqlen
-        runs = [(0, key, value)]
+        runs = [(0, self._encode_kv(key, state), self._encode_kv(value, state))]
         for run_start, run_end, run_key, run_value in entry.runs(seqlen):
             if run_end <= frames:
                 continue
@@ -145,14 +148,14 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
     def _rotate_self_entry(
         self, entry: VanillaSelfEntry, state: TagState, rotate: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
-        entry.keys = [rotate(key) for key in entry.keys]
+        entry.keys = [self._encode_kv(rotate(self._decode_kv(key, state)), state) for key in entry.keys]
 
     def _copy_self_entry(self, entry: VanillaSelfEntry) -> VanillaSelfEntry:
         # Stored run tensors are never written in place, so a fork can share them.
         return VanillaSelfEntry(list(entry.keys), list(entry.values), list(entry.starts))
 
     def _self_entry_tensors(self, entry: VanillaSelfEntry) -> list[torch.Tensor]:
-        return [*entry.keys, *entry.values]
+        return [t for stored in (*entry.keys, *entry.values) for t in stored_tensors(stored)]
 
 
 KVCacheEngine = VanillaKVCacheEngine

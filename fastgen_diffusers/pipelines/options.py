@@ -54,6 +54,8 @@ class RolloutOptions:
     rope_positions: str | None = None
     sink_update: str | None = None
     sink_decay: float | None = None
+    # 8-bit KV cache (#15 §5): storage dtype of the self K/V (None: the compute dtype)
+    kv_cache_dtype: torch.dtype | str | None = None
 
 
 @dataclass(kw_only=True)

@@ -422,6 +422,8 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         rope_positions: str | None = None,
         sink_update: str | None = None,
         sink_decay: float | None = None,
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -535,6 +537,11 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 `rope_positions="window"` and chunks of `sink_frames` frames). Defaults to the stored one (`"fixed"`).
             sink_decay (`float`, *optional*):
                 The EMA's decay in (0, 1); defaults to the stored one (0.999, Reward Forcing's).
+            kv_cache_dtype (`torch.dtype` or `str`, *optional*):
+                8-bit KV cache (off by default): `torch.float8_e4m3fn` or `torch.int8` (or `"float8_e4m3fn"` /
+                `"int8"`) stores the self-attention K/V of finished chunks in 1 byte per element with one float32 scale
+                per sample, frame and head, dequantized on read (about 4x less cache memory than float32, 2x less than
+                bfloat16; a small output error, see the README). Needs a `kv_cache_engine`.
 
         Examples:
 
@@ -579,5 +586,6 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 rope_positions=rope_positions,
                 sink_update=sink_update,
                 sink_decay=sink_decay,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )

@@ -445,6 +445,8 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         rope_positions: str | None = None,
         sink_update: str | None = None,
         sink_decay: float | None = None,
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -529,6 +531,8 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 list of `generator`s cover `batch * num_videos_per_prompt` videos.
             rope_positions, sink_update, sink_decay:
                 Window-relative RoPE and the EMA sink, as in [`WanCausalPipeline.__call__`].
+            kv_cache_dtype (`torch.dtype` or `str`, *optional*):
+                8-bit KV cache (`torch.float8_e4m3fn` or `torch.int8`), as in [`WanCausalPipeline.__call__`].
 
         Examples:
 
@@ -572,5 +576,6 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 rope_positions=rope_positions,
                 sink_update=sink_update,
                 sink_decay=sink_decay,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )

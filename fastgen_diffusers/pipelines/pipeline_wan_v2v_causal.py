@@ -185,6 +185,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             options.attention_window,
             options.sink_frames,
             **kv_cache_position_options(options),
+            kv_cache_dtype=options.kv_cache_dtype,
         )
         self.check_inputs(replace(options, latents=None, num_frames=num_frames), shape, batch_size)
         self.check_noise(options.latents, shape, batch_size, known)
@@ -224,6 +225,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             options.sink_frames,
             bounds if known else bounds[:1],
             **kv_cache_position_options(options),
+            kv_cache_dtype=options.kv_cache_dtype,
         )
         session = self.open_session(
             Conditioner(),
@@ -286,6 +288,8 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         rope_positions: str | None = None,
         sink_update: str | None = None,
         sink_decay: float | None = None,
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for video-to-video generation.
@@ -360,5 +364,6 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 rope_positions=rope_positions,
                 sink_update=sink_update,
                 sink_decay=sink_decay,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )

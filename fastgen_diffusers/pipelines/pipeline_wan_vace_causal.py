@@ -270,6 +270,8 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         rope_positions: str | None = None,
         sink_update: str | None = None,
         sink_decay: float | None = None,
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         Generate a video steered by a control video, its mask and reference images.
@@ -297,6 +299,9 @@ class WanCausalVACEPipeline(WanCausalPipeline):
                 Videos per prompt, as in [`WanCausalPipeline.__call__`]; the control inputs are shared.
             rope_positions, sink_update, sink_decay:
                 Window-relative RoPE and the EMA sink, as in [`WanCausalPipeline.__call__`].
+            kv_cache_dtype (`torch.dtype` or `str`, *optional*):
+                8-bit KV cache of both branches (`torch.float8_e4m3fn` or `torch.int8`), as in
+                [`WanCausalPipeline.__call__`].
 
         Returns:
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`, as [`WanCausalPipeline`].
@@ -340,5 +345,6 @@ class WanCausalVACEPipeline(WanCausalPipeline):
                 rope_positions=rope_positions,
                 sink_update=sink_update,
                 sink_decay=sink_decay,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )

@@ -28,7 +28,7 @@ from diffusers.utils.torch_utils import get_module_execution_device
 
 from ..chunking import ChunkPlan, chunk_bounds, chunk_layout
 from ..kv_cache import ENGINE_KINDS, ROPE_POSITION_MODES, AttentionWindow, make_engines
-from ..kv_cache.base import check_ema_chunks, check_rope_and_sink_settings
+from ..kv_cache.base import check_ema_chunks, check_kv_cache_dtype, check_rope_and_sink_settings
 from ..parallel import is_main_process
 from .arguments import check_prompt_schedule, prepare_call_options
 from .conditioning import Conditioner
@@ -264,6 +264,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
             options.attention_window,
             options.sink_frames,
             **kv_cache_position_options(options),
+            kv_cache_dtype=options.kv_cache_dtype,
         )
         check_recompute_inputs(
             options.kv_cache_policy, options.context_frames, options.attention_window, options.sink_frames,
@@ -319,6 +320,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
             options.sink_frames,
             cache_bounds,
             **kv_cache_position_options(options),
+            kv_cache_dtype=options.kv_cache_dtype,
         )
         session = self.open_session(
             conditioner,
@@ -562,10 +564,13 @@ class CausalRolloutMixin(PromptScheduleMixin):
         rope_positions: str = "absolute",
         sink_update: str = "fixed",
         sink_decay: float = 0.999,
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
         """Give the transformer fresh engines of kind ``kv_cache_engine`` (``"static"`` or ``"vanilla"``) with the
         sliding window ``attention_window`` / ``sink_frames`` (latent frames), sized for the rollout's chunks, and
-        the positions mode and sink update ``rope_positions`` / ``sink_update`` / ``sink_decay``.
+        the positions mode and sink update ``rope_positions`` / ``sink_update`` / ``sink_decay``, storing self K/V as
+        ``kv_cache_dtype`` (``None``: the compute dtype; 8-bit: ``torch.float8_e4m3fn``, ``torch.int8``).
 
         ``kv_cache_engine=None`` keeps the engines the transformer has (e.g. ones set with
         ``transformer.set_kv_cache_engines``). Called at the start of a rollout, whose caches are empty anyway.
@@ -584,6 +589,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
             rope_positions=rope_positions,
             sink_update=sink_update,
             sink_decay=sink_decay,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.transformer.set_kv_cache_engines(engines)
 
@@ -596,9 +602,11 @@ class CausalRolloutMixin(PromptScheduleMixin):
         rope_positions: str = "absolute",
         sink_update: str = "fixed",
         sink_decay: float = 0.999,
+        # 8-bit KV cache (#15 §5)
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
-        """Raise ``ValueError`` for an engine kind, window, positions mode or sink update the engines cannot serve
-        (the window settings by [`AttentionWindow`], the others by the engines' own check)."""
+        """Raise ``ValueError`` for an engine kind, window, positions mode, sink update or storage dtype the engines
+        cannot serve (the window settings by [`AttentionWindow`], the others by the engines' own checks)."""
         if kv_cache_engine is not None and kv_cache_engine not in ENGINE_KINDS:
             raise ValueError(f"`kv_cache_engine` must be one of {ENGINE_KINDS} or None, got {kv_cache_engine!r}.")
         if kv_cache_engine is None and (attention_window is not None or sink_frames):
@@ -613,6 +621,8 @@ class CausalRolloutMixin(PromptScheduleMixin):
         check_rope_and_sink_settings(
             window, rope_positions, sink_update, sink_decay, window_name="attention_window", sink_name="sink_frames"
         )
+        if check_kv_cache_dtype(kv_cache_dtype, sink_update) is not None and kv_cache_engine is None:
+            raise ValueError("`kv_cache_dtype` needs a `kv_cache_engine` ('static' or 'vanilla').")
 
     def check_rollout_inputs(
         self,
