@@ -101,14 +101,18 @@ class LiveRolloutMixin(CausalRolloutMixin):
     ) -> ChunkRecord:
         """Decode the video frames of a finished chunk (the first ``num_reference_frames`` latent frames of the
         rollout excluded) into its record; ``decoder`` is ``None`` when nothing is decoded."""
-        chunk = replace(chunk, context=None)
+        pixels = chunk.pixels
+        chunk = replace(chunk, context=None, pixels=None)
         if decoder is None:
             return chunk
         latents = chunk.latents[:, :, max(0, num_reference_frames - chunk.start) :]
-        frame_start = decoder.num_decoded_frames
+        first = max(chunk.start - num_reference_frames, 0)  # the chunk's first video latent frame
+        frame_start = 0 if first == 0 else self.vae_scale_factor_temporal * first - (self.vae_scale_factor_temporal - 1)
         frames = None
         if latents.shape[2] > 0:
-            frames = self.video_processor.postprocess_video(decoder.decode(latents), output_type=output_type)
+            if pixels is None:  # decoded here, unless the policy decoded it already (recompute's anchors)
+                pixels = decoder.decode(latents)
+            frames = self.video_processor.postprocess_video(pixels, output_type=output_type)
         return replace(chunk, frames=frames, frame_start=frame_start)
 
     # ------------------------------------------------------------------ kept rollouts

@@ -50,6 +50,9 @@ class RolloutOptions:
     kv_cache_policy: str | None = None
     context_frames: int | None = None
     kv_cache_attention_bias: float | None = None
+    # Krea's re-encoded anchor (recompute) and prompt transitions (issue #14)
+    keep_first_frame: bool = False
+    prompt_transition_chunks: int = 0
 
 
 @dataclass(kw_only=True)

@@ -53,6 +53,22 @@ __all__ = [
 ]
 
 
+def check_transition_embeds(
+    prompt_transition_chunks: int, prompt_embeds: torch.Tensor, switches: Mapping[int, torch.Tensor]
+) -> None:
+    """``ValueError`` when a blended prompt switch (``prompt_transition_chunks > 1``) cannot be blended: every
+    switch must have the frame-0 prompt's shape ``(B, L, text_dim)``."""
+    if not prompt_transition_chunks or prompt_transition_chunks <= 1:
+        return
+    for embeds in switches.values():
+        if embeds.shape != prompt_embeds.shape:
+            raise ValueError(
+                f"`prompt_transition_chunks={prompt_transition_chunks}` blends prompt embeddings, which needs every "
+                f"switch to have the first prompt's shape {tuple(prompt_embeds.shape)}, got {tuple(embeds.shape)}: "
+                "encode the prompts with the same `max_sequence_length`, or use prompt_transition_chunks=0."
+            )
+
+
 def check_window_fits_chunks(
     attention_window: int | None, sink_frames: int, chunk_bounds: Sequence[tuple[int, int]]
 ) -> None:
@@ -132,6 +148,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
     _options_class: type[RolloutOptions] = RolloutOptions
     default_policy: RolloutPolicy = SequentialPolicy()
     supports_keep_cache = True  # False: `keep_cache=True` is refused (video-to-video: its input cannot be continued)
+    recompute_policy_class: type[RecomputePolicy] | None = RecomputePolicy  # what `kv_cache_policy="recompute"` runs
 
     def _init_rollout_state(self) -> None:
         """The rollout state a pipeline holds (set up by ``__init__``): its kept sessions by branch name, and the
@@ -163,10 +180,14 @@ class CausalRolloutMixin(PromptScheduleMixin):
         """The [`RolloutPolicy`] that runs a call: the pipeline's ``default_policy`` (a policy option of the call,
         e.g. a recompute or rolling-window policy, is resolved here): ``kv_cache_policy="recompute"`` gives a
         [`RecomputePolicy`] over ``context_frames`` with ``kv_cache_attention_bias``."""
-        # the text-to-video rollouts only (video-to-video keeps its own policy: recompute does not drive it yet)
-        if getattr(options, "kv_cache_policy", None) == RECOMPUTE and type(self.default_policy) is SequentialPolicy:
+        policy_class = getattr(self, "recompute_policy_class", RecomputePolicy)
+        if getattr(options, "kv_cache_policy", None) == RECOMPUTE and policy_class is not None:
             bias = 1.0 if options.kv_cache_attention_bias is None else float(options.kv_cache_attention_bias)
-            return RecomputePolicy(options.context_frames, kv_cache_attention_bias=bias)
+            return policy_class(
+                options.context_frames,
+                keep_first_frame=bool(getattr(options, "keep_first_frame", False)),
+                kv_cache_attention_bias=bias,
+            )
         return self.default_policy
 
     # ------------------------------------------------------------------ the prepare template
@@ -235,7 +256,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         self.check_kv_cache_inputs(options.kv_cache_engine, options.attention_window, options.sink_frames)
         check_recompute_inputs(
             options.kv_cache_policy, options.context_frames, options.attention_window, options.sink_frames,
-            options.keep_cache, options.recache, options.kv_cache_attention_bias,
+            options.keep_cache, options.recache, options.kv_cache_attention_bias, options.keep_first_frame,
         )  # fmt: skip
         self.check_inputs(options, shape, batch_size)
         num_latent_frames = (shape.num_frames - 1) // self.vae_scale_factor_temporal + 1
@@ -277,6 +298,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         plan = ChunkPlan.from_bounds(bounds, schedule, first_schedule=first_schedule)
         refs = shape.num_reference_frames
         switches = self.prompt_switch_chunks(prompt_switches, [(max(s - refs, 0), e - refs) for s, e in bounds])
+        check_transition_embeds(options.prompt_transition_chunks, prompt_embeds, switches)
         cache_bounds = bounds
         if options.kv_cache_policy == RECOMPUTE:  # the cache never holds more than the context and one chunk
             cache_bounds = [(0, options.context_frames + max(end - start for start, end in bounds))]
@@ -292,6 +314,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
             attention_kwargs=options.attention_kwargs,
             keep_history=options.keep_cache or (options.recache and bool(switches)),
             num_reference_frames=refs,
+            prompt_transition_chunks=options.prompt_transition_chunks,
         )
         policy = self.select_policy(options)
         return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
@@ -310,6 +333,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         branch: str = MAIN_BRANCH,
         keep_history: bool = True,
         num_reference_frames: int = 0,
+        prompt_transition_chunks: int = 0,
     ) -> RolloutSession:
         """A new [`RolloutSession`] on this pipeline's transformer."""
         return RolloutSession(
@@ -326,6 +350,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
             branch=branch,
             keep_history=keep_history,
             num_reference_frames=num_reference_frames,
+            prompt_transition_chunks=prompt_transition_chunks or 0,
         )
 
     @exclusive_rollout("pipe(...)")
@@ -334,18 +359,37 @@ class CausalRolloutMixin(PromptScheduleMixin):
         run = self.prepare_rollout(options)
         latents = run.source.noise.clone()
 
-        # 6. Denoising loop: the causal rollout, chunk by chunk
+        # 6. Denoising loop: the causal rollout, chunk by chunk (a policy that decoded a chunk hands its frames over)
+        pixels = []
         for chunk in run.chunks():
             latents[:, :, chunk.start : chunk.end] = chunk.latents
+            pixels.append(chunk.pixels)
 
         # 7. Decode, offload all models
+        complete = len(pixels) == len(run.plan.spans) and all(p is not None for p in pixels)
         return self.finish_output(
-            latents[:, :, run.num_reference_frames :], run.options.output_type, run.options.return_dict
+            latents[:, :, run.num_reference_frames :],
+            run.options.output_type,
+            run.options.return_dict,
+            pixels=pixels if complete else None,
         )
 
-    def finish_output(self, latents: torch.Tensor, output_type: str, return_dict: bool) -> WanPipelineOutput | tuple:
+    def finish_output(
+        self,
+        latents: torch.Tensor,
+        output_type: str,
+        return_dict: bool,
+        pixels: Sequence[torch.Tensor] | None = None,
+    ) -> WanPipelineOutput | tuple:
         """Decode ``latents`` (see [`decode_latents`]), offload the models and return the frames as ``__call__``
-        does: a ``WanPipelineOutput``, or ``(frames,)`` when ``return_dict`` is ``False``."""
+        does: a ``WanPipelineOutput``, or ``(frames,)`` when ``return_dict`` is ``False``. ``pixels``: the frames of
+        every chunk already decoded by the streamed decoder (the recompute policy's), post-processed instead of
+        decoding ``latents`` again (they are equal); ignored with VAE tiling, which decodes differently."""
+        if pixels is not None and output_type != "latent" and is_main_process(self.transformer):
+            if not self.vae.use_tiling:
+                video = self.video_processor.postprocess_video(torch.cat(list(pixels), dim=2), output_type=output_type)
+                self.maybe_free_model_hooks()
+                return WanPipelineOutput(frames=video) if return_dict else (video,)
         video = self.decode_latents(latents, output_type)
         self.maybe_free_model_hooks()
         if not return_dict:
@@ -376,7 +420,8 @@ class CausalRolloutMixin(PromptScheduleMixin):
         or closing the generator early therefore leaves the pipeline exactly as fresh as before (a resumed rollout
         leaves its branch to the caller: ``continue_rollout`` and ``redo_last_chunk`` restore it).
         """
-        policy = policy or self.default_policy
+        policy = policy or session.policy or self.default_policy
+        session.policy = policy  # a continuation of a kept rollout runs its policy again
         self._guidance_scale = session.guidance_scale
         self._attention_kwargs = session.attention_kwargs
         self._current_timestep = None
