@@ -110,9 +110,7 @@ def run_policy(reference, variant: str, noise_variant: str, bias: float, anchors
     bounds = [(3 * c, 3 * c + 3) for c in range(CHUNKS)]
     plan = ChunkPlan.from_bounds(bounds, {"sigmas": [1.0, 0.75, 0.5, 0.25]})
     anchor = (lambda c, state: layout(outputs[f"{variant}.chunk{c}.anchor.latent"])) if anchors else None
-    policy = RecomputePolicy(
-        CONTEXT_FRAMES, anchor=anchor, keep_first_frame=not anchors, kv_cache_attention_bias=bias
-    )
+    policy = RecomputePolicy(CONTEXT_FRAMES, anchor=anchor, keep_first_frame=not anchors, kv_cache_attention_bias=bias)
     calls, cache_bytes, latents = [], [], []
     forward = model.forward
 

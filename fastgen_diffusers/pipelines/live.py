@@ -107,7 +107,9 @@ class LiveRolloutMixin(CausalRolloutMixin):
             return chunk
         latents = chunk.latents[:, :, max(0, num_reference_frames - chunk.start) :]
         first = max(chunk.start - num_reference_frames, 0)  # the chunk's first video latent frame
-        frame_start = 0 if first == 0 else self.vae_scale_factor_temporal * first - (self.vae_scale_factor_temporal - 1)
+        frame_start = (
+            0 if first == 0 else self.vae_scale_factor_temporal * first - (self.vae_scale_factor_temporal - 1)
+        )
         frames = None
         if latents.shape[2] > 0:
             if pixels is None:  # decoded here, unless the policy decoded it already (recompute's anchors)

@@ -53,7 +53,6 @@ RECOMPUTE = "recompute"
 KV_CACHE_POLICIES = ("sequential", RECOMPUTE)
 
 
-
 def check_recompute_inputs(
     kv_cache_policy: str | None,
     context_frames: int | None,
