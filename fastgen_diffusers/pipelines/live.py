@@ -30,6 +30,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from ..chunking import ChunkPlan, chunk_bounds, chunk_layout
 from ..parallel import is_main_process
 from .guard import BranchCheckpoint, exclusive_rollout
+from .policy_recompute import RecomputePolicy
 from .records import ChunkRecord, RolloutChunk, StreamChunk
 from .rollout import OUTPUT_TYPES, CausalRolloutMixin
 from .session import MAIN_BRANCH, RolloutSession, branch_cache_tags
@@ -273,6 +274,12 @@ class LiveRolloutMixin(CausalRolloutMixin):
         )
         if prompt is not None and prompt_embeds is not None:
             raise ValueError("Pass either `prompt` or `prompt_embeds`, not both.")
+        if recache and isinstance(self.kept_rollout(branch).policy, RecomputePolicy):
+            raise ValueError(
+                f"`recache=True` has nothing to do on the kept rollout {branch!r}: it runs `kv_cache_policy="
+                "'recompute'`, which rebuilds the cache under the current prompt before every chunk. Accepted: "
+                "recache=False."
+            )
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
         config = self.transformer.config
