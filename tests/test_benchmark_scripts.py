@@ -33,3 +33,15 @@ def test_gpu_scale_benchmark_compiled_rows_run_in_the_tiny_cpu_mode(capsys):
         line = printed.split(row)[1].splitlines()[0]
         assert "graphs 3, new in the second rollout 0; graph breaks 0" in line
         assert float(line.split("max abs diff vs eager ")[1].split()[0]) <= 1e-4
+
+
+def test_recompute_benchmark_runs_in_a_tiny_mode(capsys):
+    script = SCRIPT.parent / "bench_recompute.py"
+    spec = importlib.util.spec_from_file_location("bench_recompute", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--size", "16", "--chunks", "2", "--steps", "1", "--memory-chunks", "3", "--memory-first", "2"])
+    printed = capsys.readouterr().out
+    assert printed.count("per-chunk time, output") == 2 and "recompute, re-encoded anchor" in printed
+    assert "V2V sequential: first frames" in printed and "V2V recompute: first frames" in printed
+    assert printed.count("(equal: True)") == 2  # the engines hold the context only, however many chunks
