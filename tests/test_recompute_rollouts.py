@@ -144,3 +144,14 @@ def test_v2v_recompute_frames_are_decoded_once(v2v):
 def test_v2v_bad_recompute_arguments_raise(v2v, kwargs, message):
     with pytest.raises(ValueError, match=message):
         v2v("a cat", video=clip(9), **kwargs)
+
+
+def test_recompute_outgrows_the_rope_table():
+    """Positions stay below context + chunk: a recompute video (and its continuation) may be longer than the RoPE
+    table, which the sequential rollout refuses."""
+    small = tiny_pipeline(rope_max_seq_len=8)
+    small.set_progress_bar_config(disable=True)
+    with pytest.raises(ValueError, match="rope_max_seq_len"):
+        small(num_frames=45, output_type="latent", **CALL)
+    small(num_frames=45, keep_cache=True, output_type="latent", **CALL, **RECOMPUTE)
+    assert small.continue_rollout(12, output_type="latent").frames.shape[2] == 15

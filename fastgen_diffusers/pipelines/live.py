@@ -283,7 +283,10 @@ class LiveRolloutMixin(CausalRolloutMixin):
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
         config = self.transformer.config
-        if bounds[-1][1] > config.rope_max_seq_len and not getattr(self.transformer, "rope_rebasing", False):
+        bounded = isinstance(self.kept_rollout(branch).policy, RecomputePolicy)  # positions below context + chunk
+        if bounds[-1][1] > config.rope_max_seq_len and not (
+            bounded or getattr(self.transformer, "rope_rebasing", False)
+        ):
             raise ValueError(
                 f"Continuing to latent frame {bounds[-1][1]} runs past the RoPE table of {config.rope_max_seq_len} "
                 "frames; call `pipe.transformer.enable_rope_rebasing()` (with an `attention_window`) to go on."

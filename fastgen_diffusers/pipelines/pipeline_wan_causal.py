@@ -295,6 +295,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             o.sigmas,
             o.context_noise,
             o.first_chunk_timesteps,
+            positions_bounded=getattr(o, "kv_cache_policy", None) == "recompute",
         )
 
         if prompt is not None and prompt_embeds is not None:

@@ -590,14 +590,18 @@ class CausalRolloutMixin(PromptScheduleMixin):
         sigmas: Sequence[float] | None,
         context_noise: float,
         first_chunk_timesteps: Sequence[float] | None = None,
+        positions_bounded: bool = False,
     ) -> None:
-        """Raise ``ValueError`` for a chunking, schedule or context timestep the rollout cannot serve."""
+        """Raise ``ValueError`` for a chunking, schedule or context timestep the rollout cannot serve
+        (``positions_bounded``: the policy keeps RoPE positions below a few chunks, as recompute does, so the video
+        may outgrow the RoPE table)."""
         config = self.transformer.config
         if chunk_size is not None and (
             not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
         ):
             raise ValueError(f"`chunk_size` must be a positive number of latent frames or None, got {chunk_size!r}.")
-        if num_latent_frames > config.rope_max_seq_len and not getattr(self.transformer, "rope_rebasing", False):
+        rebased = positions_bounded or getattr(self.transformer, "rope_rebasing", False)
+        if num_latent_frames > config.rope_max_seq_len and not rebased:
             raise ValueError(
                 f"{num_latent_frames} latent frames run past the transformer's RoPE table of "
                 f"{config.rope_max_seq_len} frames (`rope_max_seq_len`); ask for fewer `num_frames`, or call "
