@@ -10,10 +10,10 @@ latent frames, context 3 frames, denoising steps [1000, 750, 500, 250]) for thre
 * ``biased_nopad``: a free run with the padding removed (final latents only).
 
 A recompute pass is a cleared cache and a ``store_kv`` forward over the context frames at ``start_frame=0`` (clean,
-``t=0``); the chunk then denoises at ``start_frame=context_frames``. The free runs at the end go through the real pipeline path
-(``pipe(..., kv_cache_policy="recompute", context_frames=3)``, its own streamed decode and re-encoded anchors) and
-reach the recorded final latents: ``unbiased`` and, with the exact bias, ``biased_nopad``. The biased calls are only checked for
-consistency here; ``test_krea_recompute.py`` runs them (and the recompute policy) against our implementation.
+``t=0``); the chunk then denoises at ``start_frame=context_frames``. The free runs at the end go through the real
+pipeline path (``pipe(..., kv_cache_policy="recompute", context_frames=3)``, its own streamed decode and re-encoded
+anchors) and reach the recorded final latents: ``unbiased`` and, with the exact bias, ``biased_nopad``. The biased
+calls are only checked for consistency here; ``test_krea_recompute.py`` replays them against our implementation.
 """
 
 from __future__ import annotations
