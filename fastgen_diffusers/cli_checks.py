@@ -110,8 +110,13 @@ def prompt_switches(args: argparse.Namespace) -> dict[int, str]:
 
 
 def check_prompt_switches(args: argparse.Namespace) -> None:
-    """``--prompt-switch`` well formed; ``--prompt-transition-chunks`` >= 0 and only with a ``--prompt-switch``."""
+    """``--prompt-switch`` well formed and inside ``--num-frames``; ``--prompt-transition-chunks`` >= 0 and only with a
+    ``--prompt-switch``."""
     switches = prompt_switches(args)
+    num_frames = getattr(args, "num_frames", None)
+    late = [frame for frame in switches if num_frames is not None and frame >= num_frames]
+    if late:
+        raise UsageError(f"--prompt-switch at pixel frame {late[0]} is past the video's {num_frames} frames.")
     chunks = getattr(args, "prompt_transition_chunks", None)
     if chunks is None:
         return

@@ -146,6 +146,7 @@ CASES = {
     ),
     "switch malformed": (["--prompt-switch", "a dog"], 2, "--prompt-switch must be FRAME:PROMPT"),
     "switch at frame 0": (["--prompt-switch", "0:a dog"], 2, "--prompt-switch must be FRAME:PROMPT"),
+    "switch past the video": (["--prompt-switch", "21:a dog"], 2, "--prompt-switch at pixel frame 21 is past"),
     "switch twice": (["--prompt-switch", "9:a", "--prompt-switch", "9:b"], 2, "names pixel frame 9 twice"),
     "bias above 1": (["--kv-cache-policy", "recompute", "--kv-cache-attention-bias", "1.5"], 2, "got 1.5"),
     "bias nan": (["--kv-cache-policy", "recompute", "--kv-cache-attention-bias", "nan"], 2, "got nan"),

@@ -124,10 +124,15 @@ def test_v2v_recompute_iterator_equals_list_and_stays_bounded(v2v, bias):
 
 
 def test_v2v_recompute_frames_are_decoded_once(v2v):
-    options = {"prompt": "a cat", "strength": 0.7, "num_inference_steps": 2, **RECOMPUTE}
-    frames = v2v(video=clip(), generator=torch.Generator().manual_seed(0), output_type="pt", **options).frames
-    latents = v2v(video=clip(), generator=torch.Generator().manual_seed(0), output_type="latent", **options).frames
+    options = {"prompt": "a cat", "strength": 0.7, "num_inference_steps": 2, "output_type": "pt", **RECOMPUTE}
+    frames = v2v(video=clip(), generator=torch.Generator().manual_seed(0), **options).frames
+    latents = v2v(video=clip(), generator=torch.Generator().manual_seed(0), **{**options, "output_type": "latent"})
+    latents = latents.frames
     assert torch.equal(frames, v2v.decode_latents(latents, output_type="pt"))
+    streamed = [
+        c.frames for c in v2v.stream(video=iter(clip()), generator=torch.Generator().manual_seed(0), **options)
+    ]
+    assert torch.equal(torch.cat(streamed, 1), frames)
 
 
 @pytest.mark.parametrize(
