@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 
 from . import __version__
-from .cli_checks import POSITION_FLAGS, UsageError, check_generate_arguments, read_media
+from .cli_checks import POSITION_FLAGS, UsageError, check_generate_arguments, prompt_switches, read_media
 from .cli_convert import add_convert_subparser
 from .cli_i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
 from .cli_v2v import add_input_video_arguments, input_video_kwargs, load_v2v_pipeline, strength_argument, wants_v2v
@@ -109,6 +109,23 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
         choices=KV_CACHE_DTYPES,
         help="store the self-attention KV cache in 8 bits with per-frame scales (about 4x less than float32, a small "
         "output error; default: off, the model dtype)",
+    )
+    long_videos.add_argument(
+        "--keep-first-frame",
+        action="store_true",
+        help="under --kv-cache-policy recompute, keep the first latent frame as the context's anchor (Krea's "
+        "keep_first_frame) instead of re-encoding a decoded frame",
+    )
+    long_videos.add_argument(
+        "--prompt-switch",
+        action="append",
+        metavar="FRAME:PROMPT",
+        help="switch to PROMPT at pixel frame FRAME (repeatable; --prompt holds from frame 0)",
+    )
+    long_videos.add_argument(
+        "--prompt-transition-chunks",
+        type=int,
+        help="blend each --prompt-switch in over this many chunks (Krea's prompt interpolation; 0/1: at once)",
     )
     parser.add_argument(
         "--stream", action="store_true", help="write frames to the video as chunks finish; print time to first frames"
@@ -232,9 +249,16 @@ def run_generate(args: argparse.Namespace) -> int:
         call_kwargs["strength"] = strength_argument(args)
     if args.attention_window is not None:
         call_kwargs.update(attention_window=args.attention_window, sink_frames=args.sink_frames or 0)
-    for name in ("kv_cache_policy", "context_frames", "kv_cache_attention_bias", *POSITION_FLAGS, "kv_cache_dtype"):
+    for name in (
+        "kv_cache_policy", "context_frames", "kv_cache_attention_bias", "prompt_transition_chunks", *POSITION_FLAGS,
+        "kv_cache_dtype",
+    ):  # fmt: skip
         if getattr(args, name) is not None:
             call_kwargs[name] = getattr(args, name)
+    if args.keep_first_frame:
+        call_kwargs["keep_first_frame"] = True
+    if args.prompt_switch:
+        call_kwargs["prompt"] = {0: args.prompt, **prompt_switches(args)}
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -102,6 +102,38 @@ def check_numbers(args: argparse.Namespace) -> None:
         )
 
 
+def prompt_switches(args: argparse.Namespace) -> dict[int, str]:
+    """``--prompt-switch FRAME:PROMPT`` flags as ``{frame: prompt}`` (``UsageError`` for a malformed one)."""
+    switches: dict[int, str] = {}
+    for value in getattr(args, "prompt_switch", None) or ():
+        frame, sep, prompt = value.partition(":")
+        if not sep or not frame.strip().isdigit() or int(frame) < 1 or not prompt.strip():
+            raise UsageError(
+                f"--prompt-switch must be FRAME:PROMPT with FRAME a pixel frame >= 1 (e.g. 48:a dog), got {value!r}."
+            )
+        if int(frame) in switches:
+            raise UsageError(f"--prompt-switch names pixel frame {int(frame)} twice.")
+        switches[int(frame)] = prompt.strip()
+    return switches
+
+
+def check_prompt_switches(args: argparse.Namespace) -> None:
+    """``--prompt-switch`` well formed and inside ``--num-frames``; ``--prompt-transition-chunks`` >= 0 and only with a
+    ``--prompt-switch``."""
+    switches = prompt_switches(args)
+    num_frames = getattr(args, "num_frames", None)
+    late = [frame for frame in switches if num_frames is not None and frame >= num_frames]
+    if late:
+        raise UsageError(f"--prompt-switch at pixel frame {late[0]} is past the video's {num_frames} frames.")
+    chunks = getattr(args, "prompt_transition_chunks", None)
+    if chunks is None:
+        return
+    if chunks < 0:
+        raise UsageError(f"--prompt-transition-chunks must be at least 0 (0 and 1: switch at once), got {chunks}.")
+    if not switches:
+        raise UsageError("--prompt-transition-chunks needs a --prompt-switch FRAME:PROMPT to blend in.")
+
+
 def check_kv_cache_policy(args: argparse.Namespace) -> None:
     """``--context-frames`` >= 1, only with ``--kv-cache-policy recompute``, which does not combine with
     ``--attention-window``/``--sink-frames``; ``--kv-cache-attention-bias`` in [0.01, 1] (any policy)."""
@@ -111,6 +143,9 @@ def check_kv_cache_policy(args: argparse.Namespace) -> None:
         raise UsageError(f"--kv-cache-attention-bias must be in [0.01, 1] (1 = off), got {bias}.")
     if getattr(args, "context_frames", None) is not None and not recompute:
         raise UsageError(f"{flag('context_frames')} needs --kv-cache-policy recompute.")
+    if getattr(args, "keep_first_frame", False) and not recompute:
+        raise UsageError("--keep-first-frame needs --kv-cache-policy recompute (it picks the recompute anchor).")
+    check_prompt_switches(args)
     if not recompute:
         return
     if args.attention_window is not None or args.sink_frames is not None:

@@ -48,3 +48,15 @@ def test_rope_window_benchmark_runs_in_its_tiny_mode(capsys):
         assert len(rows) == 2 and "absolute" in rows[0] and "window+ema" in rows[1]
         assert "(ratio 1.000)" in rows[0]
         assert rows[0].split("cache held ")[1] == rows[1].split("cache held ")[1]  # same bytes held and allocated
+
+
+def test_recompute_benchmark_runs_in_a_tiny_mode(capsys):
+    script = SCRIPT.parent / "bench_recompute.py"
+    spec = importlib.util.spec_from_file_location("bench_recompute", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--size", "16", "--chunks", "2", "--steps", "1", "--memory-chunks", "3", "--memory-first", "2"])
+    printed = capsys.readouterr().out
+    assert printed.count("per-chunk time, output") == 2 and "recompute, re-encoded anchor" in printed
+    assert "V2V sequential: first frames" in printed and "V2V recompute: first frames" in printed
+    assert printed.count("(equal: True)") == 2  # the engines hold the context only, however many chunks

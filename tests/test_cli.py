@@ -112,6 +112,28 @@ def test_generate_streams_with_window_rope_and_an_ema_sink(tmp_path, capsys, mon
     assert len(read_frames(output)) == 45
 
 
+def test_generate_with_prompt_switches_transitions_and_keep_first_frame(tmp_path, monkeypatch):
+    """``--prompt-switch``, ``--prompt-transition-chunks`` and ``--keep-first-frame`` reach the pipeline call."""
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    seen = []
+    call = WanCausalPipeline.__call__
+
+    def recording(self, *args, **kwargs):
+        seen.append({name: kwargs.get(name) for name in ("prompt", "prompt_transition_chunks", "keep_first_frame")})
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(WanCausalPipeline, "__call__", recording)
+    output = tmp_path / "switch.mp4"
+    args = ["generate", "--prompt", "a fox", "--output", str(output), "--num-frames", "33", "--height", "32"]
+    args += ["--width", "32", "--steps", "1", "--kv-cache-policy", "recompute", "--context-frames", "3"]
+    args += ["--keep-first-frame", "--prompt-switch", "9:a dog: running", "--prompt-transition-chunks", "2"]
+    assert cli.main(args) == 0
+    expected = {"prompt": {0: "a fox", 9: "a dog: running"}, "prompt_transition_chunks": 2, "keep_first_frame": True}
+    assert seen == [expected]
+    assert len(read_frames(output)) == 33
+
+
 def test_generate_with_vace_control_and_image_flags(tmp_path, capsys):
     import imageio
 

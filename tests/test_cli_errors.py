@@ -137,6 +137,17 @@ CASES = {
         2,
         "--kv-cache-attention-bias must be in [0.01, 1]",
     ),
+    "keep first frame without recompute": (["--keep-first-frame"], 2, "--keep-first-frame needs --kv-cache-policy"),
+    "transition without switch": (["--prompt-transition-chunks", "2"], 2, "needs a --prompt-switch FRAME:PROMPT"),
+    "transition negative": (
+        ["--prompt-switch", "9:a dog", "--prompt-transition-chunks", "-1"],
+        2,
+        "--prompt-transition-chunks must be at least 0",
+    ),
+    "switch malformed": (["--prompt-switch", "a dog"], 2, "--prompt-switch must be FRAME:PROMPT"),
+    "switch at frame 0": (["--prompt-switch", "0:a dog"], 2, "--prompt-switch must be FRAME:PROMPT"),
+    "switch past the video": (["--prompt-switch", "21:a dog"], 2, "--prompt-switch at pixel frame 21 is past"),
+    "switch twice": (["--prompt-switch", "9:a", "--prompt-switch", "9:b"], 2, "names pixel frame 9 twice"),
     "bias above 1": (["--kv-cache-policy", "recompute", "--kv-cache-attention-bias", "1.5"], 2, "got 1.5"),
     "bias nan": (["--kv-cache-policy", "recompute", "--kv-cache-attention-bias", "nan"], 2, "got nan"),
     "recompute with window": (

@@ -109,8 +109,8 @@ def run_policy(reference, variant: str, noise_variant: str, bias: float, anchors
     noise = torch.cat([layout(outputs[f"{noise_variant}.chunk{c}.step0.hidden_states"]) for c in range(CHUNKS)], 2)
     bounds = [(3 * c, 3 * c + 3) for c in range(CHUNKS)]
     plan = ChunkPlan.from_bounds(bounds, {"sigmas": [1.0, 0.75, 0.5, 0.25]})
-    anchor = (lambda c, last: layout(outputs[f"{variant}.chunk{c}.anchor.latent"])) if anchors else None
-    policy = RecomputePolicy(CONTEXT_FRAMES, anchor=anchor, kv_cache_attention_bias=bias)
+    anchor = (lambda c, state: layout(outputs[f"{variant}.chunk{c}.anchor.latent"])) if anchors else None
+    policy = RecomputePolicy(CONTEXT_FRAMES, anchor=anchor, keep_first_frame=not anchors, kv_cache_attention_bias=bias)
     calls, cache_bytes, latents = [], [], []
     forward = model.forward
 
@@ -289,7 +289,7 @@ def test_one_policy_object_serves_interleaved_rollouts():
             chunks[index].append(chunk.latents)
     for index in range(2):
         assert torch.equal(torch.cat(chunks[index], 2), alone[index])
-    assert set(vars(policy)) == {"context_frames", "anchor", "kv_cache_attention_bias"}
+    assert set(vars(policy)) == {"context_frames", "keep_first_frame", "anchor", "kv_cache_attention_bias"}
 
 
 @pytest.mark.parametrize(
@@ -300,7 +300,9 @@ def test_one_policy_object_serves_interleaved_rollouts():
         ({"kv_cache_policy": "recompute", "context_frames": 0}, "context_frames"),
         ({"context_frames": 3}, "context_frames"),
         ({"kv_cache_policy": "recompute", "context_frames": 3, "attention_window": 6}, "attention_window"),
-        ({"kv_cache_policy": "recompute", "context_frames": 3, "keep_cache": True}, "keep_cache"),
+        ({"kv_cache_policy": "recompute", "context_frames": 3, "recache": True}, "recache"),
+        ({"keep_first_frame": True}, "keep_first_frame"),
+        ({"kv_cache_policy": "recompute", "context_frames": 3, "keep_first_frame": 1}, "keep_first_frame"),
         ({"kv_cache_policy": "recompute", "context_frames": 3, "kv_cache_attention_bias": 0.0}, "bias"),
         ({"kv_cache_policy": "recompute", "context_frames": 3, "kv_cache_attention_bias": 1.5}, "bias"),
     ],

@@ -10,8 +10,10 @@ latent frames, context 3 frames, denoising steps [1000, 750, 500, 250]) for thre
 * ``biased_nopad``: a free run with the padding removed (final latents only).
 
 A recompute pass is a cleared cache and a ``store_kv`` forward over the context frames at ``start_frame=0`` (clean,
-``t=0``); the chunk then denoises at ``start_frame=context_frames``. The biased calls are only checked for
-consistency here; ``test_krea_recompute.py`` runs them (and the recompute policy) against our implementation.
+``t=0``); the chunk then denoises at ``start_frame=context_frames``. The free runs at the end go through the real
+pipeline path (``pipe(..., kv_cache_policy="recompute", context_frames=3)``, its own streamed decode and re-encoded
+anchors) and reach the recorded final latents: ``unbiased`` and, with the exact bias, ``biased_nopad``. The biased
+calls are only checked for consistency here; ``test_krea_recompute.py`` replays them against our implementation.
 """
 
 from __future__ import annotations
@@ -214,3 +216,127 @@ def test_unbiased_sampler_replay_reaches_the_final_latents(reference):
     final = torch.cat(latents, 1)
     error = (final - outputs["unbiased.final_latents"]).abs().max().item()
     assert error <= 1e-5, error
+
+
+# ------------------------------------------------------------------------------- the free runs through the pipeline
+class RecordedKreaScheduler:
+    """Upstream's sampler as the pipeline's scheduler (the one test hook of these runs): the timesteps reach the
+    model as given, ``x0 = x - sigma * v`` with the grid sigma in float64, and the re-noise eps of chunk ``c`` are the
+    recorded draws of ``torch.Generator().manual_seed(42 + 3c)`` (drawn in upstream's ``[B, F, C, H, W]`` layout, so
+    a generator passed to the pipeline could not reproduce them). Chunks are counted by ``set_timesteps`` calls."""
+
+    def __init__(self, scheduler, inputs, variant: str = "unbiased"):
+        self.config, self.shift, self.order = scheduler.config, scheduler.shift, 1
+        self.inputs, self.variant, self.chunk = inputs, variant, -1
+
+    def set_timesteps(self, timesteps=None, device=None, **_):
+        self.chunk, self.index = self.chunk + 1, 0
+        self.timesteps = torch.tensor(timesteps, dtype=torch.float32)
+        self.sigmas = torch.tensor([grid_sigma(float(t)) for t in timesteps] + [0.0])
+
+    def set_begin_index(self, index):
+        self.index = index
+
+    def step(self, flow, t, x, generator=None, return_dict=False):
+        x0 = (x.double() - grid_sigma(float(t)) * flow.double()).float()
+        if self.index + 1 < len(self.timesteps):
+            sigma = grid_sigma(float(self.timesteps[self.index + 1]))
+            eps = self.inputs[f"{self.variant}.chunk{self.chunk}.step{self.index}.renoise_noise"]
+            x0 = (1 - sigma) * x0 + sigma * to_model_layout(eps)
+        self.index += 1
+        return (x0,)
+
+
+@pytest.fixture(scope="module")
+def krea_pipe(reference):
+    """A `WanCausalPipeline` of the reference's tiny transformer and VAE (no text encoder: the recorded embeddings)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+
+    from fastgen_diffusers import WanCausalPipeline
+
+    transformer = WanCausalTransformer3DModel.from_pretrained(REFERENCE / "transformer", chunk_size=CHUNK_FRAMES)
+    vae = AutoencoderKLWan.from_pretrained(REFERENCE / "vae").eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0, stochastic_sampling=True)
+    pipe = WanCausalPipeline(None, None, vae, scheduler, transformer.eval())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def free_run(reference, pipe, bias: float, output_type: str = "latent", **kwargs):
+    """The whole recorded rollout through ``pipe(...)``: recompute with context 3, the recorded step-0 noise as
+    ``latents``, upstream's sampler. Returns ``(frames, calls)``, calls = ``(start_frame, store_kv, hidden_states,
+    flow)`` of every transformer forward."""
+    _, inputs, outputs, _ = reference
+    noise = torch.cat([outputs[f"unbiased.chunk{c}.step0.hidden_states"] for c in range(CHUNKS)], 1)
+    calls, forward = [], pipe.transformer.forward
+
+    def recording(hidden_states, *args, **kw):
+        out = forward(hidden_states, *args, **kw)
+        calls.append((kw["start_frame"], kw["store_kv"], hidden_states, out[0]))
+        return out
+
+    pipe.scheduler, scheduler = RecordedKreaScheduler(pipe.scheduler, inputs), pipe.scheduler
+    pipe.transformer.forward = recording
+    try:
+        frames = pipe(
+            prompt_embeds=inputs["prompt_embeds"], height=64, width=64, num_frames=1 + 4 * (CHUNKS * CHUNK_FRAMES - 1),
+            timesteps=list(STEPS), latents=to_model_layout(noise), kv_cache_policy="recompute",
+            context_frames=CONTEXT_FRAMES, kv_cache_attention_bias=bias, output_type=output_type, **kwargs,
+        ).frames  # fmt: skip
+    finally:
+        del pipe.transformer.forward
+        pipe.scheduler = scheduler
+    return frames, calls
+
+
+def test_unbiased_free_run_through_the_pipeline_matches_every_call_and_the_final_latents(reference, krea_pipe):
+    """The real pipeline path: its own streamed decode and VAE re-encode of decoded frames 12 and 24 as anchors."""
+    meta, _, outputs, _ = reference
+    final, calls = free_run(reference, krea_pipe, 1.0)
+    recorded = meta["variants"]["unbiased"]["calls"]
+    assert len(calls) == len(recorded)
+    worst_in, worst_out = 0.0, 0.0
+    for call, (start_frame, store_kv, x, out) in zip(recorded, calls):
+        assert (start_frame, store_kv) == (call["replay_start_frame"], call["replay_store_kv"])
+        worst_in = max(worst_in, (to_model_layout(x) - outputs[f"{call['name']}.hidden_states"]).abs().max().item())
+        worst_out = max(worst_out, (to_model_layout(out) - outputs[f"{call['name']}.flow_pred"]).abs().max().item())
+    assert worst_in <= 1e-5 and worst_out <= 1e-5, (worst_in, worst_out)
+    # the recompute passes of chunks 2 and 3 start with the re-encoded anchors
+    for anchor in meta["variants"]["unbiased"]["anchors"]:
+        index = next(i for i, c in enumerate(recorded) if c["name"] == f"unbiased.chunk{anchor['chunk']}.recompute")
+        got = to_model_layout(calls[index][2][:, :, :1])
+        assert (got - outputs[f"unbiased.chunk{anchor['chunk']}.anchor.latent"]).abs().max().item() <= 1e-5
+    error = (to_model_layout(final) - outputs["unbiased.final_latents"]).abs().max().item()
+    assert error <= 1e-5, error
+
+
+def test_biased_free_run_through_the_pipeline_matches_biased_nopad(reference, krea_pipe):
+    """The exact bias (0.3) reaches upstream's run without its padding; upstream's padded run is the artefact away."""
+    _, _, outputs, _ = reference
+    final = to_model_layout(free_run(reference, krea_pipe, 0.3)[0])
+    error = (final - outputs["biased_nopad.final_latents"]).abs().max().item()
+    assert error <= 1e-5, error
+    artefact = (final - outputs["biased.final_latents"]).abs().max().item()
+    assert artefact > 1e-2  # the 0.28 of the README: upstream's zero keys, which we do not reproduce
+
+
+def test_free_run_frames_are_decoded_once_and_equal_a_decode_of_the_latents(reference, krea_pipe):
+    """The frames `pipe(...)` returns under recompute are the policy's streamed decodes, equal to decoding the
+    latents; no second decode of the video runs."""
+    from fastgen_diffusers.pipelines import streaming_decode
+
+    latents = free_run(reference, krea_pipe, 1.0)[0]
+    decodes, decode = [], streaming_decode.StreamingWanDecoder.decode
+
+    def counting(self, z):
+        decodes.append(z.shape[2])
+        return decode(self, z)
+
+    streaming_decode.StreamingWanDecoder.decode = counting
+    try:
+        frames = free_run(reference, krea_pipe, 1.0, output_type="pt")[0]
+    finally:
+        streaming_decode.StreamingWanDecoder.decode = decode
+    assert decodes == [CHUNK_FRAMES] * CHUNKS  # one decode per chunk, by the policy
+    expected = krea_pipe.decode_latents(latents, output_type="pt")
+    assert frames.shape == expected.shape and torch.equal(frames, expected)

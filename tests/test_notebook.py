@@ -33,6 +33,8 @@ def test_quickstart_notebook_executes_on_the_tiny_model(tmp_path, monkeypatch):
     assert "21 frames of 64x64" in printed
     assert "streamed == pipe(...): True" in printed
     assert "layout: t2v-student" in printed and "(21, 64, 64, 3)" in printed
+    assert "restyled chunk 1: 12 frames from frame 9" in printed and "restyled: (21, 64, 64, 3)" in printed
+    assert "recompute + bias: (21, 64, 64, 3)" in printed
     assert (tmp_path / "quickstart.mp4").stat().st_size > 0
     last = outputs[max(outputs)][0]
     assert last["output_type"] == "execute_result" and "<video" in last["data"]["text/html"]
@@ -53,4 +55,5 @@ def test_quickstart_real_model_path_with_a_chunk_3_student(tmp_path, monkeypatch
     assert "streamed == pipe(...): True" in printed
     assert "extending a 9-frame clip (3 latent frames, one chunk)" in printed
     assert "layout: t2v-student" in printed and "(21, 32, 32, 3)" in printed
+    assert "restyled: (21, 32, 32, 3)" in printed and "recompute + bias: (21, 32, 32, 3)" in printed
     assert (run_dir / "quickstart.mp4").stat().st_size > 0

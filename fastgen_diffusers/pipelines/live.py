@@ -31,6 +31,7 @@ from ..chunking import ChunkPlan, chunk_bounds, chunk_layout
 from ..kv_cache import ROPE_POSITION_MODES
 from ..parallel import is_main_process
 from .guard import BranchCheckpoint, exclusive_rollout
+from .policy_recompute import RecomputePolicy
 from .records import ChunkRecord, RolloutChunk, StreamChunk
 from .rollout import OUTPUT_TYPES, CausalRolloutMixin
 from .session import MAIN_BRANCH, RolloutSession, branch_cache_tags
@@ -102,14 +103,20 @@ class LiveRolloutMixin(CausalRolloutMixin):
     ) -> ChunkRecord:
         """Decode the video frames of a finished chunk (the first ``num_reference_frames`` latent frames of the
         rollout excluded) into its record; ``decoder`` is ``None`` when nothing is decoded."""
-        chunk = replace(chunk, context=None)
+        pixels = chunk.pixels
+        chunk = replace(chunk, context=None, pixels=None)
         if decoder is None:
             return chunk
         latents = chunk.latents[:, :, max(0, num_reference_frames - chunk.start) :]
-        frame_start = decoder.num_decoded_frames
+        first = max(chunk.start - num_reference_frames, 0)  # the chunk's first video latent frame
+        frame_start = (
+            0 if first == 0 else self.vae_scale_factor_temporal * first - (self.vae_scale_factor_temporal - 1)
+        )
         frames = None
         if latents.shape[2] > 0:
-            frames = self.video_processor.postprocess_video(decoder.decode(latents), output_type=output_type)
+            if pixels is None:  # decoded here, unless the policy decoded it already (recompute's anchors)
+                pixels = decoder.decode(latents)
+            frames = self.video_processor.postprocess_video(pixels, output_type=output_type)
         return replace(chunk, frames=frames, frame_start=frame_start)
 
     # ------------------------------------------------------------------ kept rollouts
@@ -268,11 +275,18 @@ class LiveRolloutMixin(CausalRolloutMixin):
         )
         if prompt is not None and prompt_embeds is not None:
             raise ValueError("Pass either `prompt` or `prompt_embeds`, not both.")
+        if recache and isinstance(self.kept_rollout(branch).policy, RecomputePolicy):
+            raise ValueError(
+                f"`recache=True` has nothing to do on the kept rollout {branch!r}: it runs `kv_cache_policy="
+                "'recompute'`, which rebuilds the cache under the current prompt before every chunk. Accepted: "
+                "recache=False."
+            )
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
         config = self.transformer.config
         engines = self.transformer.kv_cache_engines.values()
         bounded = all(ROPE_POSITION_MODES[engine.rope_positions].bounded for engine in engines)  # window positions
+        bounded = bounded or isinstance(self.kept_rollout(branch).policy, RecomputePolicy)  # below context + chunk
         rebasing = getattr(self.transformer, "rope_rebasing", False)
         if bounds[-1][1] > config.rope_max_seq_len and not rebasing and not bounded:
             raise ValueError(

@@ -56,6 +56,9 @@ class RolloutOptions:
     sink_decay: float | None = None
     # 8-bit KV cache (#15 §5): storage dtype of the self K/V (None: the compute dtype)
     kv_cache_dtype: torch.dtype | str | None = None
+    # Krea's re-encoded anchor (recompute) and prompt transitions (issue #14)
+    keep_first_frame: bool = False
+    prompt_transition_chunks: int = 0
 
 
 @dataclass(kw_only=True)

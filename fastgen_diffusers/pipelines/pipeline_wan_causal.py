@@ -309,6 +309,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             o.context_noise,
             o.first_chunk_timesteps,
             rope_positions=o.rope_positions,
+            positions_bounded=getattr(o, "kv_cache_policy", None) == "recompute",
         )
 
         if prompt is not None and prompt_embeds is not None:
@@ -424,6 +425,9 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         sink_decay: float | None = None,
         # 8-bit KV cache (#15 §5)
         kv_cache_dtype: torch.dtype | str | None = None,
+        # Krea's re-encoded anchor (recompute) and prompt transitions (issue #14)
+        keep_first_frame: bool = False,
+        prompt_transition_chunks: int = 0,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -513,10 +517,11 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             kv_cache_policy (`str`, *optional*):
                 `"sequential"` (default: each chunk is written into the cache after it is denoised) or `"recompute"`
                 (Krea Realtime: before each chunk after the first the cache is cleared and rebuilt by one cache pass
-                over `context_frames` clean frames, the first latent frame plus the last `context_frames - 1`, at
+                over `context_frames` clean frames, an anchor frame plus the last `context_frames - 1`, at
                 RoPE positions from 0; the chunk then denoises right after them, so memory and positions stay
-                bounded). Not combinable with `attention_window`, `keep_cache` or `recache`. Defaults to the
-                pipeline's stored `kv_cache_policy`, if any.
+                bounded). Not combinable with `attention_window` or `recache`; `keep_cache=True` keeps it for
+                `continue_rollout` / `redo_last_chunk` / `fork_rollout`. Defaults to the pipeline's stored
+                `kv_cache_policy`, if any.
             context_frames (`int`, *optional*):
                 Latent frames of the recompute context (>= 1; Krea's `kv_cache_num_frames`, 3); needed by and only
                 allowed with `kv_cache_policy="recompute"`.
@@ -542,6 +547,17 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 `"int8"`) stores the self-attention K/V of finished chunks in 1 byte per element with one float32 scale
                 per sample, frame and head, dequantized on read (about 4x less cache memory than float32, 2x less than
                 bfloat16; a small output error, see the README). Needs a `kv_cache_engine`.
+            keep_first_frame (`bool`, defaults to `False`):
+                Recompute only (Krea's `keep_first_frame`): keep the video's first latent frame as the context's
+                anchor for ever. By default, once `frames_done - chunk_frames >= context_frames`, the anchor is the
+                VAE re-encoding of the first of the last `1 + (context_frames - 1) * 4` decoded frames (Krea's and
+                scope's rule); the chunks are then decoded as they finish (once: the output reuses those frames).
+            prompt_transition_chunks (`int`, defaults to `0`):
+                Blend each prompt switch of a prompt schedule in linearly over this many chunks (Krea's prompt
+                interpolation): chunk `k = 0 .. N-1` from the switch is conditioned on `lerp(old, new, (k+1)/N)`,
+                `old` being the prompt in use at the switch (a blend, if a transition was under way). 0 and 1 switch
+                at once. Works under both policies; with `recache=True` every blended chunk recaches. Switches must
+                have the first prompt's embedding shape.
 
         Examples:
 
@@ -587,5 +603,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 sink_update=sink_update,
                 sink_decay=sink_decay,
                 kv_cache_dtype=kv_cache_dtype,
+                keep_first_frame=keep_first_frame,
+                prompt_transition_chunks=prompt_transition_chunks,
             )
         )

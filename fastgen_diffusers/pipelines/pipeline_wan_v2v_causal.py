@@ -36,17 +36,20 @@ from .conditioning import Conditioner
 from .guard import exclusive_rollout
 from .options import RolloutOptions
 from .pipeline_wan_causal import WanCausalPipeline
-from .policy_v2v import VideoChunkPlan, VideoToVideoPolicy
+from .policy_recompute import RECOMPUTE, check_recompute_inputs
+from .policy_v2v import RecomputeVideoToVideoPolicy, VideoChunkPlan, VideoToVideoPolicy
 from .rollout import (
     RolloutRun,
     RolloutShape,
     check_sink_update_fits_chunks,
+    check_transition_embeds,
     check_window_fits_chunks,
     kv_cache_position_options,
 )
 from .session import history_to_keep
 from .streaming_encode import StreamingWanEncoder
 from .strength import StrengthInput, StrengthSchedule
+from .validation import validate_call_arguments
 from .video_latents import VideoToVideoSource
 from .video_source import VideoChunker, chunk_num_frames
 
@@ -98,6 +101,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
 
     _options_class = VideoToVideoOptions
     default_policy = VideoToVideoPolicy()
+    recompute_policy_class = RecomputeVideoToVideoPolicy
     supports_keep_cache = False
 
     # ------------------------------------------------------------------ the prepare template, for an open-ended video
@@ -174,6 +178,12 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         options = replace(options, prompt=prompt, prompt_embeds=prompt_embeds)
         if options.keep_cache:
             raise ValueError("`keep_cache` is not supported for video-to-video: its input cannot be continued.")
+        validate_call_arguments(
+            {
+                "keep_first_frame": options.keep_first_frame,
+                "prompt_transition_chunks": options.prompt_transition_chunks,
+            }
+        )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         strength = StrengthSchedule(options.strength)
         chunker = self.video_chunker(options)
@@ -187,6 +197,10 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             **kv_cache_position_options(options),
             kv_cache_dtype=options.kv_cache_dtype,
         )
+        check_recompute_inputs(
+            options.kv_cache_policy, options.context_frames, options.attention_window, options.sink_frames,
+            options.keep_cache, options.recache, options.kv_cache_attention_bias, options.keep_first_frame,
+        )  # fmt: skip
         self.check_inputs(replace(options, latents=None, num_frames=num_frames), shape, batch_size)
         self.check_noise(options.latents, shape, batch_size, known)
         bounds = self.video_chunk_bounds(chunker, max(prompt_schedule, default=0))
@@ -201,6 +215,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             options.guidance_scale, options.max_sequence_length, device,
         )  # fmt: skip
         switches = self.prompt_switch_chunks(prompt_switches, bounds)
+        check_transition_embeds(options.prompt_transition_chunks, prompt_embeds, switches)
 
         # 3. Prepare timesteps (set on the scheduler again at every chunk); the video is encoded chunk by chunk
         schedule = self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)
@@ -219,11 +234,14 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         )
 
         # 4. Fresh KV-cache engines (sized for a list; a static engine grows for a live video) and the session
+        cache_bounds = bounds if known else bounds[:1]
+        if options.kv_cache_policy == RECOMPUTE:  # the cache never holds more than the context and one chunk
+            cache_bounds = [(0, options.context_frames + max(end - start for start, end in bounds))]
         self.configure_kv_cache(
             options.kv_cache_engine,
             options.attention_window,
             options.sink_frames,
-            bounds if known else bounds[:1],
+            cache_bounds,
             **kv_cache_position_options(options),
             kv_cache_dtype=options.kv_cache_dtype,
         )
@@ -237,17 +255,26 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             first_schedule=first_schedule,
             attention_kwargs=options.attention_kwargs,
             keep_history=history_to_keep(False, options.recache and bool(switches)),
+            prompt_transition_chunks=options.prompt_transition_chunks,
         )
+        # the KV-cache attention bias of every denoising forward, whatever the policy (a recompute policy sets its own)
+        session.attention_bias = float(options.kv_cache_attention_bias or 1.0)
         return RolloutRun(self, session, plan, source, options, switches, 0, self.select_policy(options))
 
     @exclusive_rollout("pipe(...)")
     def generate(self, options: VideoToVideoOptions) -> WanPipelineOutput | tuple:
         """The body of ``__call__``: prepare, restyle chunk by chunk, decode the finished chunks."""
         run = self.prepare_rollout(options)
-        pieces = [chunk.latents for chunk in run.chunks()]
-        if not pieces:
+        chunks = list(run.chunks())
+        if not chunks:
             raise RuntimeError("The rollout was interrupted before its first chunk finished: no frames to return.")
-        return self.finish_output(torch.cat(pieces, dim=2), run.options.output_type, run.options.return_dict)
+        pixels = [chunk.pixels for chunk in chunks]  # decoded by the recompute policy already
+        return self.finish_output(
+            torch.cat([chunk.latents for chunk in chunks], dim=2),
+            run.options.output_type,
+            run.options.return_dict,
+            pixels=pixels if all(p is not None for p in pixels) else None,
+        )
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -290,6 +317,12 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         sink_decay: float | None = None,
         # 8-bit KV cache (#15 §5)
         kv_cache_dtype: torch.dtype | str | None = None,
+        # Krea's recompute (and its attention bias, its re-encoded anchor) and prompt transitions (issue #14)
+        kv_cache_policy: str | None = None,
+        context_frames: int | None = None,
+        kv_cache_attention_bias: float | None = None,
+        keep_first_frame: bool = False,
+        prompt_transition_chunks: int = 0,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for video-to-video generation.
@@ -319,6 +352,13 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 Noise `(B, 16, F, height // 8, width // 8)` to noise the chunks with (chunk `[s, e)` takes
                 `latents[:, :, s:e]`); `F` the video's latent frames for a list, at least the first chunk's for an
                 iterator (whose video must not outgrow it). Defaults to fresh noise from `generator`, chunk by chunk.
+            kv_cache_policy (`str`, *optional*), context_frames (`int`, *optional*), \
+            kv_cache_attention_bias (`float`, *optional*), keep_first_frame (`bool`, defaults to `False`):
+                Krea's recompute, as in [`WanCausalPipeline.__call__`] (what Krea's server runs on a webcam): each
+                input chunk, noised to its strength, denoises after a cache rebuilt over `context_frames` clean
+                frames of the output (the anchor re-encoded from the decoded output unless `keep_first_frame`).
+            prompt_transition_chunks (`int`, defaults to `0`):
+                Blend each switch of a prompt schedule in over this many chunks, as in [`WanCausalPipeline.__call__`].
             Others:
                 As in [`WanCausalPipeline.__call__`], except `num_frames` (the video's length decides),
                 `num_videos_per_prompt` and `keep_cache` (a restyled input cannot be continued), which this pipeline
@@ -365,5 +405,10 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 sink_update=sink_update,
                 sink_decay=sink_decay,
                 kv_cache_dtype=kv_cache_dtype,
+                kv_cache_policy=kv_cache_policy,
+                context_frames=context_frames,
+                kv_cache_attention_bias=kv_cache_attention_bias,
+                keep_first_frame=keep_first_frame,
+                prompt_transition_chunks=prompt_transition_chunks,
             )
         )

@@ -66,7 +66,8 @@ class RolloutPolicy:
             callback_on_step_end: ``callback(pipe, step, timestep, callback_kwargs)`` after every denoising step.
             callback_on_step_end_tensor_inputs: names from ``pipe._callback_tensor_inputs`` given to the callback.
             store_last: run the last chunk's cache pass too (it only serves a continuation).
-            prompt_switches: ``{chunk_index: (B, L, text_dim)}``: the conditional prompt from that chunk on.
+            prompt_switches: ``{chunk_index: (B, L, text_dim)}``: the conditional prompt from that chunk on (blended
+                in over the session's ``prompt_transition_chunks``, see [`RolloutSession.begin_chunk`]).
             recache: re-run the earlier chunks' cache passes under a switched prompt (LongLive's recache).
         """
         raise NotImplementedError
@@ -132,8 +133,7 @@ class SequentialPolicy(RolloutPolicy):
             for span, is_last, start in chunks:
                 if pipe.interrupt:
                     return
-                if span.index in prompt_switches:
-                    session.switch_prompt(prompt_switches[span.index], recache=recache)
+                session.begin_chunk(span.index, prompt_switches.get(span.index), recache=recache)
                 position = self.chunk_position(session, span)
                 clean = conditioner.given_latents(span)
                 if clean is None:

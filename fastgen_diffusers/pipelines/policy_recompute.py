@@ -13,26 +13,41 @@ for each chunk [start, end) of the plan:
     for t in the chunk's timesteps:
         v = transformer(x, t, text, start_frame=C or 0, cache_tag)                     # positions C .. C+n-1
         x = scheduler.step(v, t, x)
-    yield ChunkRecord(chunk_index, start, end, x0)                                       # no cache pass after it
+    decode x with the streamed VAE decoder; keep the last 1 + (C - 1) * 4 decoded frames  # the anchor's source
+    yield ChunkRecord(chunk_index, start, end, x, pixels=decoded)                         # no cache pass after it
 ```
 
 So the cache never holds more than ``context_frames`` frames plus the chunk being denoised, and RoPE positions stay
-below ``context_frames + chunk`` however long the video. The anchor is the first latent frame of the video
-(Krea's ``keep_first_frame``, the default here); Krea re-encodes a decoded frame once the first frame has left the
-context, which a caller can supply with ``anchor=`` (a callable ``(chunk_index, last_chunk) -> (B, C, 1, H, W)``).
-The cache pass runs at the session's context timestep (``context_noise``; Krea's is 0) on the clean frames.
+below ``context_frames + chunk`` however long the video.
+
+The anchor (the first context frame) is the video's first latent frame while ``frames_done - chunk_frames <
+context_frames`` (``frames_done``: latent frames finished before the chunk, ``chunk_frames``: the chunk's own size);
+from then on it is Krea's re-encoded frame: the first of the last ``1 + (context_frames - 1) * 4`` decoded pixel
+frames, encoded alone with a fresh VAE encoder cache and normalised with the VAE's latent mean/std (scope's
+``get_context_frames``, Krea's ``get_clean_context_frames``; with 3-frame chunks and context 3: decoded frame 12
+before chunk 2, 24 before chunk 3). Decoding happens chunk by chunk with [`StreamingWanDecoder`] (frames equal to
+one decode of the whole video) and the decoded frames ride on the [`ChunkRecord`] (``pixels``), so a pipeline that
+outputs frames does not decode again. ``keep_first_frame=True`` (Krea's option) keeps the first latent frame as the
+anchor for ever and decodes nothing. The cache pass runs at the session's context timestep (``context_noise``;
+Krea's is 0) on the clean frames.
+
+While fewer than ``context_frames`` frames are done, the context is all of them (scope pads its buffer with zero
+frames and repeats the first frame there instead; with chunks of at least ``context_frames - 1`` frames, Krea's
+setting, the two agree).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..chunking import ChunkSpan
 from .policy import SequentialPolicy
 from .session import RolloutSession
+from .streaming_decode import StreamingWanDecoder
+from .streaming_encode import StreamingWanEncoder
 
 RECOMPUTE = "recompute"
 KV_CACHE_POLICIES = ("sequential", RECOMPUTE)
@@ -46,9 +61,10 @@ def check_recompute_inputs(
     keep_cache: bool,
     recache: bool,
     kv_cache_attention_bias: float | None = None,
+    keep_first_frame: bool = False,
 ) -> None:
-    """Raise ``ValueError`` for a ``kv_cache_policy`` / ``context_frames`` / bias combination the policies cannot
-    serve."""
+    """Raise ``ValueError`` for a ``kv_cache_policy`` / ``context_frames`` / bias / ``keep_first_frame``
+    combination the policies cannot serve (``keep_cache`` is accepted: a kept recompute rollout continues)."""
     if kv_cache_policy is not None and kv_cache_policy not in KV_CACHE_POLICIES:
         raise ValueError(f"`kv_cache_policy` must be one of {KV_CACHE_POLICIES} or None, got {kv_cache_policy!r}.")
     recompute = kv_cache_policy == RECOMPUTE
@@ -56,9 +72,13 @@ def check_recompute_inputs(
         bias = kv_cache_attention_bias
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not 0.01 <= float(bias) <= 1.0:
             raise ValueError(f"`kv_cache_attention_bias` must be a number in [0.01, 1], got {bias!r}.")
+    if keep_first_frame is not None and not isinstance(keep_first_frame, bool):
+        raise ValueError(f"`keep_first_frame` must be True or False, got {keep_first_frame!r}.")
     if not recompute:
         if context_frames is not None:
             raise ValueError("`context_frames` needs `kv_cache_policy='recompute'`.")
+        if keep_first_frame:
+            raise ValueError("`keep_first_frame=True` needs `kv_cache_policy='recompute'` (it picks its anchor).")
         return
     if context_frames is None or isinstance(context_frames, bool) or not isinstance(context_frames, int):
         raise ValueError(f"`context_frames` must be a positive integer under recompute, got {context_frames!r}.")
@@ -69,27 +89,90 @@ def check_recompute_inputs(
             "`kv_cache_policy='recompute'` bounds the cache itself: it cannot be combined with `attention_window` / "
             "`sink_frames`."
         )
-    if keep_cache or recache:
-        raise ValueError("`kv_cache_policy='recompute'` does not support `keep_cache` or `recache` yet.")
+    if recache:
+        raise ValueError(
+            "`recache=True` has nothing to do under `kv_cache_policy='recompute'`: the cache is rebuilt under the "
+            "current prompt before every chunk. Accepted: recache=False."
+        )
 
 
-@dataclass
+def fork_decoder(decoder: StreamingWanDecoder) -> StreamingWanDecoder:
+    """A decoder that goes on from where ``decoder`` is, leaving ``decoder`` as it is: its feature cache list is
+    copied (the VAE replaces the entries of that list, never a cached tensor in place), so the copy costs no tensor
+    memory until the two diverge."""
+    forked = StreamingWanDecoder(decoder.vae)
+    forked._feat_cache = None if decoder._feat_cache is None else list(decoder._feat_cache)
+    forked.num_latent_frames = decoder.num_latent_frames
+    return forked
+
+
+@dataclass(frozen=True)
 class ContextFrames:
-    """The finished frames a recompute rollout builds its next context from (kept on the session)."""
+    """What a recompute rollout keeps of its finished chunks to build the next context (on the session).
+
+    Immutable: [`add`] returns the state after a chunk, so a checkpoint of the session (a failed continuation, a
+    ``redo_last_chunk``) restores it by reference; ``before_last`` is the state before the last chunk (one level).
+    """
 
     first: torch.Tensor | None = None  # (B, C, 1, H, W): the video's first latent frame
-    recent: torch.Tensor | None = None  # (B, C, <= context_frames, H, W): the last frames
-    last_chunk: torch.Tensor | None = None  # (B, C, F_chunk, H, W)
-    num_frames: int = 0
+    recent: torch.Tensor | None = None  # (B, C, <= context_frames, H, W): the last latent frames
+    num_frames: int = 0  # latent frames done (reference frames included)
+    decoder: StreamingWanDecoder | None = None  # streamed decoder of the video so far (re-encoded anchors only)
+    decoded: torch.Tensor | None = None  # (B, 3, <= 1 + (context_frames - 1) * 4, H*8, W*8): the last decoded frames
+    pixels: torch.Tensor | None = None  # (B, 3, f, H*8, W*8): the last chunk's decoded frames
+    before_last: ContextFrames | None = None
 
-    def add(self, clean: torch.Tensor, context_frames: int) -> None:
-        """Take a finished chunk ``clean`` ``(B, C, F_chunk, H, W)``, keeping only what a context can use."""
-        if self.first is None:
-            self.first = clean[:, :, :1]
+    def add(
+        self, clean: torch.Tensor, context_frames: int, num_reference_frames: int = 0, start: int = 0
+    ) -> ContextFrames:
+        """The state after the finished chunk ``clean`` ``(B, C, F_chunk, H, W)`` whose first latent frame is
+        ``start``: its last frames kept, and, with a decoder, its video frames (those after the
+        ``num_reference_frames`` leading latent frames) decoded into the buffer of the last ``1 + (context_frames -
+        1) * 4`` frames."""
         recent = clean if self.recent is None else torch.cat([self.recent, clean], dim=2)
-        self.recent = recent[:, :, max(recent.shape[2] - context_frames, 0) :]
-        self.last_chunk = clean
-        self.num_frames += clean.shape[2]
+        decoder, decoded, pixels = self.decoder, self.decoded, None
+        video = clean[:, :, max(0, num_reference_frames - start) :]
+        if decoder is not None and video.shape[2] > 0:
+            decoder = fork_decoder(decoder)
+            pixels = decoder.decode(video)
+            decoded = pixels if decoded is None else torch.cat([decoded, pixels], dim=2)
+            keep = 1 + (context_frames - 1) * decoder.vae.config.scale_factor_temporal
+            decoded = decoded[:, :, max(decoded.shape[2] - keep, 0) :]
+        return ContextFrames(
+            first=clean[:, :, :1] if self.first is None else self.first,
+            recent=recent[:, :, max(recent.shape[2] - context_frames, 0) :],
+            num_frames=self.num_frames + clean.shape[2],
+            decoder=decoder,
+            decoded=decoded,
+            pixels=pixels,
+            before_last=replace(self, before_last=None, pixels=None),
+        )
+
+    def rewind(self, frame: int) -> ContextFrames:
+        """The state with only the frames before ``frame``: this one, or the one before the last chunk when
+        ``frame`` is that chunk's start (what ``redo_last_chunk`` needs); ``ValueError`` for anything else."""
+        if frame >= self.num_frames:
+            return self
+        if self.before_last is not None and frame == self.before_last.num_frames:
+            return self.before_last
+        raise ValueError(
+            f"A recompute rollout can only be rewound by its last chunk (to latent frame "
+            f"{self.before_last.num_frames if self.before_last else 0}), got frame {frame}."
+        )
+
+    def fork(self) -> ContextFrames:
+        """The same state for a forked branch (the decoder's cache list copied, the tensors shared)."""
+        if self.decoder is None:
+            return self
+        return replace(self, decoder=fork_decoder(self.decoder))
+
+
+@torch.no_grad()
+def reencode_frame(vae, frame: torch.Tensor) -> torch.Tensor:
+    """Krea's re-encoded anchor: ``frame`` ``(B, 3, 1, H, W)`` pixels in [-1, 1] encoded alone with a fresh encoder
+    cache, the posterior's mode normalised with the VAE's latent mean/std: ``(B, z_dim, 1, H / 8, W / 8)`` float32."""
+    with StreamingWanEncoder(vae) as encoder:
+        return encoder.encode(frame)
 
 
 class RecomputePolicy(SequentialPolicy):
@@ -97,40 +180,51 @@ class RecomputePolicy(SequentialPolicy):
 
     Args:
         context_frames: latent frames the cache is rebuilt over before each chunk (the anchor included).
-        anchor: ``(chunk_index, last_chunk (B, C, F_chunk, H, W)) -> (B, C, 1, H, W)``: the anchor of a chunk once
-            ``2 * context_frames`` latent frames are done (Krea re-encodes a decoded frame there); ``None`` keeps the
-            video's first latent frame as the anchor for ever (Krea's ``keep_first_frame``).
+        keep_first_frame: keep the video's first latent frame as the anchor for ever (Krea's ``keep_first_frame``)
+            instead of re-encoding a decoded frame once the first frame has left the context; nothing is decoded
+            then.
         kv_cache_attention_bias: in ``[0.01, 1]``: during denoising forwards the logits of cached keys other than
             the anchor frame get ``log(bias)`` added (1: off, no mask at all).
+        anchor: ``(chunk_index, state: ContextFrames) -> (B, C, 1, h, w)``: a custom anchor in place of the
+            re-encoded frame, from the same chunk on (nothing is decoded then; tests feed recorded anchors);
+            ignored with ``keep_first_frame``.
     """
 
     def __init__(
         self,
         context_frames: int = 3,
         *,
-        anchor: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        keep_first_frame: bool = False,
         kv_cache_attention_bias: float = 1.0,
+        anchor: Callable[[int, ContextFrames], torch.Tensor] | None = None,
     ) -> None:
-        check_recompute_inputs(RECOMPUTE, context_frames, None, 0, False, False, kv_cache_attention_bias)
+        check_recompute_inputs(
+            RECOMPUTE, context_frames, None, 0, False, False, kv_cache_attention_bias, keep_first_frame
+        )
         self.context_frames = context_frames
-        self.anchor = anchor
+        self.keep_first_frame = keep_first_frame
         self.kv_cache_attention_bias = float(kv_cache_attention_bias)
+        self.anchor = anchor
 
-    def context_of(
-        self, chunk_index: int, first: torch.Tensor, recent: torch.Tensor, num_frames: int, last_chunk: torch.Tensor
-    ) -> torch.Tensor:
-        """The clean context before chunk ``chunk_index`` once ``num_frames`` latent frames are done (``recent``:
-        the last ``context_frames`` of them): all of them while they are at most ``context_frames``, else the anchor
-        + the last ``context_frames - 1`` frames. The anchor is the first frame, or ``anchor(chunk_index,
-        last_chunk)`` from ``num_frames >= 2 * context_frames`` on (Krea's rule: the first frame has left the
-        context)."""
+    def uses_reencoded_anchor(self, done: ContextFrames, span: ChunkSpan) -> bool:
+        """Krea's rule (scope ``get_context_frames``): the anchor is re-encoded once ``frames_done - chunk_frames >=
+        context_frames``."""
+        return not self.keep_first_frame and done.num_frames - (span.end - span.start) >= self.context_frames
+
+    def context_of(self, done: ContextFrames, span: ChunkSpan) -> torch.Tensor:
+        """The clean context before ``span``: all the frames done while they are at most ``context_frames``, else
+        the anchor + the last ``context_frames - 1`` frames (see the module docstring for the anchor)."""
         c = self.context_frames
-        if num_frames <= c:
-            return recent
-        anchor = first
-        if self.anchor is not None and num_frames >= 2 * c:
-            anchor = self.anchor(chunk_index, last_chunk).to(first)
-        return torch.cat([anchor, recent[:, :, recent.shape[2] - (c - 1) :]], dim=2)
+        if done.num_frames <= c:
+            return done.recent
+        anchor = done.first
+        if self.uses_reencoded_anchor(done, span):
+            if self.anchor is not None:
+                anchor = self.anchor(span.index, done)
+            else:
+                anchor = reencode_frame(done.decoder.vae, done.decoded[:, :, :1])
+            anchor = anchor.to(done.first)
+        return torch.cat([anchor, done.recent[:, :, done.recent.shape[2] - (c - 1) :]], dim=2)
 
     def rebuild(self, session: RolloutSession, span: ChunkSpan, context: torch.Tensor) -> None:
         """Clear every tag of ``session`` and write ``context`` at positions ``0 .. C-1`` (one cache pass a tag)."""
@@ -145,17 +239,22 @@ class RecomputePolicy(SequentialPolicy):
     def run(self, pipe, session, plan, source, **options):
         """[`SequentialPolicy.run`] with the cache rebuilt before each chunk and no cache pass after it; a prompt
         switch needs no recache (the next rebuild runs under the new prompt). The frames the next context needs live
-        on the session (``session.policy_state``), so one policy object can serve several rollouts at once."""
+        on the session (``session.policy_state``, kept with a kept rollout, so a continuation goes on exactly), so
+        one policy object can serve several rollouts at once. Each record carries the chunk's decoded frames
+        (``pixels``) when the policy decoded them."""
         session.attention_bias = self.kv_cache_attention_bias
-        session.policy_state = ContextFrames()
-        yield from super().run(pipe, session, plan, source, **{**options, "recache": False})
+        if not isinstance(session.policy_state, ContextFrames):  # a new rollout (a continuation keeps its state)
+            decoder = None if self.keep_first_frame or self.anchor is not None else StreamingWanDecoder(pipe.vae)
+            session.policy_state = ContextFrames(decoder=decoder)
+        for record in super().run(pipe, session, plan, source, **{**options, "recache": False}):
+            yield replace(record, pixels=session.policy_state.pixels)
 
     def chunk_position(self, session: RolloutSession, span: ChunkSpan) -> ChunkSpan:
         """Rebuild the cache over the clean context (not before the first chunk), then sit the chunk right after it."""
         done: ContextFrames = session.policy_state
         if done.first is None:
             return span
-        context = self.context_of(span.index, done.first, done.recent, done.num_frames, done.last_chunk)
+        context = self.context_of(done, span)
         self.rebuild(session, span, context)
         start = context.shape[2]
         return ChunkSpan(span.index, start, start + span.end - span.start)
@@ -164,7 +263,9 @@ class RecomputePolicy(SequentialPolicy):
         self, session: RolloutSession, span: ChunkSpan, clean: torch.Tensor, *, store: bool, generator
     ) -> None:
         """No cache pass (the next rebuild replaces this chunk's noisy K/V); remember the frames the next context
-        needs."""
-        session.policy_state.add(clean, self.context_frames)
+        needs (and decode the chunk when anchors are re-encoded)."""
+        session.policy_state = session.policy_state.add(
+            clean, self.context_frames, session.num_reference_frames, span.start
+        )
         session.record(span, clean, None)
         return None

@@ -18,7 +18,8 @@ source, each chunk's starting latents and first step.
 
 At strength 1 every chunk runs the whole schedule from its noise, exactly like [`SequentialPolicy`]; the one
 difference is that the cache pass of the last chunk of a live video runs too (the policy cannot know a chunk is the
-last before the video ends), which changes no output.
+last before the video ends), which changes no output. [`RecomputeVideoToVideoPolicy`] runs the same chunks under
+Krea's recompute (``kv_cache_policy="recompute"``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from ..chunking import ChunkSpan
 from .policy import SequentialPolicy
+from .policy_recompute import RecomputePolicy
 from .video_latents import VideoToVideoSource
 
 
@@ -75,3 +77,10 @@ class VideoToVideoPolicy(SequentialPolicy):
         matching step."""
         scheduler.set_timesteps(**plan.schedule_of(chunk.index), device=source.device)
         return source.start(chunk, scheduler.sigmas, scheduler.order)
+
+
+class RecomputeVideoToVideoPolicy(RecomputePolicy, VideoToVideoPolicy):
+    """Video-to-video under Krea's recompute (what Krea's server runs on a webcam): the chunks of
+    [`VideoToVideoPolicy`], each noised to its strength, with the cache rebuilt over the clean context before each
+    chunk and no cache pass after it ([`RecomputePolicy`]; the anchor is re-encoded from the decoded output, as
+    Krea does)."""

@@ -24,6 +24,9 @@ class ChunkRecord:
             ``(B, f, 3, H*8, W*8)``, ``"pil"``: lists of images), ``None`` for ``"latent"`` or not decoded; ``f`` is
             ``4 * (end - start) - 3`` for the first chunk and ``4 * (end - start)`` after it.
         frame_start: index in the whole video of the first of these pixel frames.
+        pixels: ``(B, 3, f, H*8, W*8)`` the chunk's new frames in [-1, 1] as the streamed VAE decoder gives them, when
+            the policy decoded the chunk itself (recompute's re-encoded anchors need them): the pipeline then
+            post-processes these instead of decoding again; ``None`` otherwise.
     """
 
     chunk_index: int
@@ -34,6 +37,7 @@ class ChunkRecord:
     context: torch.Tensor | None = None
     frames: Any = None
     frame_start: int = 0
+    pixels: torch.Tensor | None = None
 
     @property
     def index(self) -> int:

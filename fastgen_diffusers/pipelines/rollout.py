@@ -67,6 +67,22 @@ def kv_cache_position_options(options: Any) -> dict[str, Any]:
     }
 
 
+def check_transition_embeds(
+    prompt_transition_chunks: int, prompt_embeds: torch.Tensor, switches: Mapping[int, torch.Tensor]
+) -> None:
+    """``ValueError`` when a blended prompt switch (``prompt_transition_chunks > 1``) cannot be blended: every
+    switch must have the frame-0 prompt's shape ``(B, L, text_dim)``."""
+    if not prompt_transition_chunks or prompt_transition_chunks <= 1:
+        return
+    for embeds in switches.values():
+        if embeds.shape != prompt_embeds.shape:
+            raise ValueError(
+                f"`prompt_transition_chunks={prompt_transition_chunks}` blends prompt embeddings, which needs every "
+                f"switch to have the first prompt's shape {tuple(prompt_embeds.shape)}, got {tuple(embeds.shape)}: "
+                "encode the prompts with the same `max_sequence_length`, or use prompt_transition_chunks=0."
+            )
+
+
 def check_window_fits_chunks(
     attention_window: int | None, sink_frames: int, chunk_bounds: Sequence[tuple[int, int]]
 ) -> None:
@@ -155,6 +171,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
     _options_class: type[RolloutOptions] = RolloutOptions
     default_policy: RolloutPolicy = SequentialPolicy()
     supports_keep_cache = True  # False: `keep_cache=True` is refused (video-to-video: its input cannot be continued)
+    recompute_policy_class: type[RecomputePolicy] | None = RecomputePolicy  # what `kv_cache_policy="recompute"` runs
 
     def _init_rollout_state(self) -> None:
         """The rollout state a pipeline holds (set up by ``__init__``): its kept sessions by branch name, and the
@@ -186,10 +203,14 @@ class CausalRolloutMixin(PromptScheduleMixin):
         """The [`RolloutPolicy`] that runs a call: the pipeline's ``default_policy`` (a policy option of the call,
         e.g. a recompute or rolling-window policy, is resolved here): ``kv_cache_policy="recompute"`` gives a
         [`RecomputePolicy`] over ``context_frames`` with ``kv_cache_attention_bias``."""
-        # the text-to-video rollouts only (video-to-video keeps its own policy: recompute does not drive it yet)
-        if getattr(options, "kv_cache_policy", None) == RECOMPUTE and type(self.default_policy) is SequentialPolicy:
+        policy_class = getattr(self, "recompute_policy_class", RecomputePolicy)
+        if getattr(options, "kv_cache_policy", None) == RECOMPUTE and policy_class is not None:
             bias = 1.0 if options.kv_cache_attention_bias is None else float(options.kv_cache_attention_bias)
-            return RecomputePolicy(options.context_frames, kv_cache_attention_bias=bias)
+            return policy_class(
+                options.context_frames,
+                keep_first_frame=bool(getattr(options, "keep_first_frame", False)),
+                kv_cache_attention_bias=bias,
+            )
         return self.default_policy
 
     # ------------------------------------------------------------------ the prepare template
@@ -268,7 +289,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         )
         check_recompute_inputs(
             options.kv_cache_policy, options.context_frames, options.attention_window, options.sink_frames,
-            options.keep_cache, options.recache, options.kv_cache_attention_bias,
+            options.keep_cache, options.recache, options.kv_cache_attention_bias, options.keep_first_frame,
         )  # fmt: skip
         self.check_inputs(options, shape, batch_size)
         num_latent_frames = (shape.num_frames - 1) // self.vae_scale_factor_temporal + 1
@@ -311,6 +332,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         plan = ChunkPlan.from_bounds(bounds, schedule, first_schedule=first_schedule)
         refs = shape.num_reference_frames
         switches = self.prompt_switch_chunks(prompt_switches, [(max(s - refs, 0), e - refs) for s, e in bounds])
+        check_transition_embeds(options.prompt_transition_chunks, prompt_embeds, switches)
         cache_bounds = bounds
         if options.kv_cache_policy == RECOMPUTE:  # the cache never holds more than the context and one chunk
             cache_bounds = [(0, options.context_frames + max(end - start for start, end in bounds))]
@@ -333,6 +355,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
             attention_kwargs=options.attention_kwargs,
             keep_history=history_to_keep(options.keep_cache, options.recache and bool(switches)),
             num_reference_frames=refs,
+            prompt_transition_chunks=options.prompt_transition_chunks,
         )
         # the KV-cache attention bias of every denoising forward, whatever the policy and window (a recompute policy
         # sets its own)
@@ -354,6 +377,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         branch: str = MAIN_BRANCH,
         keep_history: bool | str = True,
         num_reference_frames: int = 0,
+        prompt_transition_chunks: int = 0,
     ) -> RolloutSession:
         """A new [`RolloutSession`] on this pipeline's transformer."""
         return RolloutSession(
@@ -370,6 +394,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
             branch=branch,
             keep_history=keep_history,
             num_reference_frames=num_reference_frames,
+            prompt_transition_chunks=prompt_transition_chunks or 0,
         )
 
     @exclusive_rollout("pipe(...)")
@@ -378,18 +403,37 @@ class CausalRolloutMixin(PromptScheduleMixin):
         run = self.prepare_rollout(options)
         latents = run.source.noise.clone()
 
-        # 6. Denoising loop: the causal rollout, chunk by chunk
+        # 6. Denoising loop: the causal rollout, chunk by chunk (a policy that decoded a chunk hands its frames over)
+        pixels = []
         for chunk in run.chunks():
             latents[:, :, chunk.start : chunk.end] = chunk.latents
+            pixels.append(chunk.pixels)
 
         # 7. Decode, offload all models
+        complete = len(pixels) == len(run.plan.spans) and all(p is not None for p in pixels)
         return self.finish_output(
-            latents[:, :, run.num_reference_frames :], run.options.output_type, run.options.return_dict
+            latents[:, :, run.num_reference_frames :],
+            run.options.output_type,
+            run.options.return_dict,
+            pixels=pixels if complete else None,
         )
 
-    def finish_output(self, latents: torch.Tensor, output_type: str, return_dict: bool) -> WanPipelineOutput | tuple:
+    def finish_output(
+        self,
+        latents: torch.Tensor,
+        output_type: str,
+        return_dict: bool,
+        pixels: Sequence[torch.Tensor] | None = None,
+    ) -> WanPipelineOutput | tuple:
         """Decode ``latents`` (see [`decode_latents`]), offload the models and return the frames as ``__call__``
-        does: a ``WanPipelineOutput``, or ``(frames,)`` when ``return_dict`` is ``False``."""
+        does: a ``WanPipelineOutput``, or ``(frames,)`` when ``return_dict`` is ``False``. ``pixels``: the frames of
+        every chunk already decoded by the streamed decoder (the recompute policy's), post-processed instead of
+        decoding ``latents`` again (they are equal); ignored with VAE tiling, which decodes differently."""
+        if pixels is not None and output_type != "latent" and is_main_process(self.transformer):
+            if not self.vae.use_tiling:
+                video = self.video_processor.postprocess_video(torch.cat(list(pixels), dim=2), output_type=output_type)
+                self.maybe_free_model_hooks()
+                return WanPipelineOutput(frames=video) if return_dict else (video,)
         video = self.decode_latents(latents, output_type)
         self.maybe_free_model_hooks()
         if not return_dict:
@@ -420,7 +464,8 @@ class CausalRolloutMixin(PromptScheduleMixin):
         or closing the generator early therefore leaves the pipeline exactly as fresh as before (a resumed rollout
         leaves its branch to the caller: ``continue_rollout`` and ``redo_last_chunk`` restore it).
         """
-        policy = policy or self.default_policy
+        policy = policy or session.policy or self.default_policy
+        session.policy = policy  # a continuation of a kept rollout runs its policy again
         self._guidance_scale = session.guidance_scale
         self._attention_kwargs = session.attention_kwargs
         self._current_timestep = None
@@ -634,11 +679,13 @@ class CausalRolloutMixin(PromptScheduleMixin):
         context_noise: float,
         first_chunk_timesteps: Sequence[float] | None = None,
         rope_positions: str | None = None,
+        positions_bounded: bool = False,
     ) -> None:
         """Raise ``ValueError`` for a chunking, schedule or context timestep the rollout cannot serve.
 
         ``rope_positions``: the call's positions mode; one whose positions stay within the window
-        (``"window"``) serves a video of any length."""
+        (``"window"``) serves a video of any length. ``positions_bounded``: the policy keeps RoPE positions below a
+        few chunks (as recompute does), so the video may outgrow the RoPE table too."""
         config = self.transformer.config
         bounded = rope_positions in ROPE_POSITION_MODES and ROPE_POSITION_MODES[rope_positions].bounded
         if chunk_size is not None and (
@@ -646,7 +693,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         ):
             raise ValueError(f"`chunk_size` must be a positive number of latent frames or None, got {chunk_size!r}.")
         rebasing = getattr(self.transformer, "rope_rebasing", False)
-        if num_latent_frames > config.rope_max_seq_len and not rebasing and not bounded:
+        if num_latent_frames > config.rope_max_seq_len and not (rebasing or bounded or positions_bounded):
             raise ValueError(
                 f"{num_latent_frames} latent frames run past the transformer's RoPE table of "
                 f"{config.rope_max_seq_len} frames (`rope_max_seq_len`); ask for fewer `num_frames`, or call "

@@ -9,7 +9,7 @@ its kept rollouts (``pipe(..., keep_cache=True)``); nothing of a call lives on t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,6 +25,33 @@ MAIN_BRANCH = "main"
 def branch_cache_tags(branch: str) -> tuple[str, str]:
     """``(conditional, unconditional)`` cache tags of a rollout branch: ``("pos", "neg")`` for ``"main"``."""
     return ("pos", "neg") if branch == MAIN_BRANCH else (f"{branch}/pos", f"{branch}/neg")
+
+
+@dataclass(frozen=True)
+class PromptTransition:
+    """A prompt switch blended in linearly over ``num_chunks`` chunks (Krea's / scope's prompt interpolation).
+
+    Chunk ``first_chunk + k`` (``k = 0 .. num_chunks - 1``) is conditioned on ``lerp(source, target, (k + 1) /
+    num_chunks)`` (computed in float32, cast to the target's dtype), so the switch chunk already moves towards the
+    new prompt and chunk ``first_chunk + num_chunks - 1`` reaches it; ``num_chunks=1`` is the hard switch. Krea's
+    ``torch.linspace(0, 1, N)`` spends its first chunk at weight 0 (the old prompt) and never switches for ``N=1``:
+    its ``N + 1`` is this ``N``, one chunk later.
+    """
+
+    source: torch.Tensor  # (B, L, text_dim): the prompt in use when the switch came (a blend, mid-transition)
+    target: torch.Tensor  # (B, L, text_dim): the new prompt
+    first_chunk: int
+    num_chunks: int
+
+    def weight_at(self, chunk_index: int) -> float:
+        """The target's weight at ``chunk_index`` (1 from ``first_chunk + num_chunks - 1`` on)."""
+        return min(1.0, (chunk_index - self.first_chunk + 1) / self.num_chunks)
+
+    def embeds_at(self, chunk_index: int) -> torch.Tensor:
+        weight = self.weight_at(chunk_index)
+        if weight >= 1.0:
+            return self.target
+        return torch.lerp(self.source.float(), self.target.float(), weight).to(self.target.dtype)
 
 
 def discard_branch(transformer: Any, branch: str) -> None:
@@ -61,6 +88,8 @@ class RolloutSession:
             ``"recache"`` (a rollout with recached prompt switches): only the chunks a recache can re-run, so a long
             windowed stream's memory stays flat. ``False``: no chunk tensors at all.
         num_reference_frames: leading latent frames that are not video frames (VACE's reference images).
+        prompt_transition_chunks: a prompt switch is blended in over this many chunks ([`PromptTransition`]);
+            0 or 1: the hard switch.
     """
 
     def __init__(
@@ -79,6 +108,7 @@ class RolloutSession:
         branch: str = MAIN_BRANCH,
         keep_history: bool | str = True,
         num_reference_frames: int = 0,
+        prompt_transition_chunks: int = 0,
     ) -> None:
         if keep_history not in (True, False, "recache"):
             raise ValueError(f"`keep_history` must be True, False or 'recache', got {keep_history!r}.")
@@ -95,6 +125,9 @@ class RolloutSession:
         self.branch = branch
         self.keep_history = keep_history
         self.num_reference_frames = num_reference_frames
+        self.prompt_transition_chunks = prompt_transition_chunks
+        self.prompt_transition: PromptTransition | None = None  # a blended prompt switch under way
+        self.policy: Any = None  # the policy of the rollout (a continuation runs it again)
         tags = branch_cache_tags(branch)
         self.cache_tags: tuple[str, ...] = tags if guidance_scale > 1.0 else tags[:1]
         self.chunks: list[ChunkRecord] = []
@@ -217,6 +250,26 @@ class RolloutSession:
                 for c in self.chunks
             ]
 
+    def begin_chunk(self, chunk_index: int, switch: torch.Tensor | None, *, recache: bool) -> None:
+        """Set the conditional prompt of chunk ``chunk_index`` before it runs: a prompt ``switch`` that takes effect
+        there (blended in over ``prompt_transition_chunks`` chunks when that is above 1, starting from the prompt in
+        use), or the next step of a blend under way; nothing otherwise. Each new prompt goes through
+        [`switch_prompt`] (with ``recache``: a blend recaches at each of its chunks)."""
+        if switch is not None:
+            self.prompt_transition = None
+            if self.prompt_transition_chunks <= 1:
+                self.switch_prompt(switch, recache=recache)
+                return
+            self.prompt_transition = PromptTransition(
+                self.prompt_embeds, switch, chunk_index, self.prompt_transition_chunks
+            )
+        transition = self.prompt_transition
+        if transition is None:
+            return
+        if transition.weight_at(chunk_index) >= 1.0:
+            self.prompt_transition = None
+        self.switch_prompt(transition.embeds_at(chunk_index), recache=recache)
+
     def switch_prompt(self, prompt_embeds: torch.Tensor, *, recache: bool) -> None:
         """Condition the conditional tag on ``prompt_embeds`` from the next chunk on.
 
@@ -293,6 +346,8 @@ class RolloutSession:
             for tag in self.cache_tags:
                 engine.truncate(tag, frame)
         self.chunks = [chunk for chunk in self.chunks if chunk.end <= frame]
+        if hasattr(self.policy_state, "rewind"):  # what a policy keeps of the chunks (recompute's context frames)
+            self.policy_state = self.policy_state.rewind(frame)
         self.num_latent_frames = self.chunks[-1].end if self.chunks else 0
         self.num_chunks = self.chunks[-1].chunk_index + 1 if self.chunks else 0
 
@@ -305,6 +360,8 @@ class RolloutSession:
         forked.branch = branch
         forked.cache_tags = branch_cache_tags(branch)[: len(self.cache_tags)]
         forked.chunks = list(self.chunks)
+        if hasattr(self.policy_state, "fork"):
+            forked.policy_state = self.policy_state.fork()
         for engine in self.transformer.kv_cache_engines.values():
             for source_tag, target_tag in zip(self.cache_tags, forked.cache_tags):
                 if engine.tag_state(source_tag) is not None:

@@ -266,6 +266,8 @@ ARGUMENT_CHECKS: dict[str, Callable[[str, Any], None]] = {
     "recache": check_bool,
     "return_dict": check_bool,
     "allow_lossy": check_bool,
+    "keep_first_frame": check_bool,
+    "prompt_transition_chunks": _non_negative_int,
 }
 # Image arguments -> the PIL modes they take as they are (the first is what other modes are converted to).
 # VACE's `reference_images` are checked by its pipeline, which refuses modes other than RGB and L.
