@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .kv_cache import BaseKVCacheEngine, CrossKVMode
+from .kv_cache import AttentionWindow, BaseKVCacheEngine, CrossKVMode
 from .kv_cache.masks import BlockMaskMemo
 
 
@@ -34,6 +34,8 @@ class CausalContext:
             blocks then writes nothing again.
         attention_bias: Krea's KV-cache attention bias in ``(0, 1]``: a denoising forward (``store_kv=False``) adds
             ``log(attention_bias)`` to the logits of the cached keys after the first frame (the anchor); 1: off.
+        attention_window: the window this call attends under instead of each engine's own (``None``: the engines'),
+            checked by every engine against what it holds.
     """
 
     cache_engines: Mapping[str, BaseKVCacheEngine]
@@ -49,6 +51,7 @@ class CausalContext:
     block_masks: BlockMaskMemo = field(default_factory=BlockMaskMemo)
     committed: bool = False
     attention_bias: float = 1.0
+    attention_window: AttentionWindow | None = None
 
     @property
     def is_multi_chunk(self) -> bool:
@@ -67,6 +70,10 @@ class CausalContext:
     def cross_mode(self, engine: BaseKVCacheEngine) -> CrossKVMode:
         return self.cross_modes.get(id(engine), CrossKVMode.COMPUTE)
 
+    def window_of(self, engine: BaseKVCacheEngine) -> AttentionWindow:
+        """The window this call attends under in ``engine``: the call's own, else the engine's."""
+        return engine.window if self.attention_window is None else self.attention_window
+
     def self_attention_mask(self, engine: BaseKVCacheEngine, device: torch.device) -> Any:
         """Block-causal mask over ``[visible prefix | this call]`` for a multi-chunk call, ``None`` otherwise.
 
@@ -77,7 +84,7 @@ class CausalContext:
         if not self.is_multi_chunk:
             return None
         return self.block_masks.get(
-            self.mask_backend, engine.window, self.start_frame, self.chunk_layout, self.frame_seqlen, device
+            self.mask_backend, self.window_of(engine), self.start_frame, self.chunk_layout, self.frame_seqlen, device
         )
 
     def self_attention_bias(self, engine: BaseKVCacheEngine, device: torch.device) -> torch.Tensor | None:
@@ -88,7 +95,7 @@ class CausalContext:
         """
         if self.attention_bias == 1.0 or self.store_kv:
             return None
-        if engine.window.bounded or self.is_multi_chunk:
+        if self.window_of(engine).bounded or self.is_multi_chunk:
             raise ValueError(
                 "`kv_cache_attention_bias` is defined on single-chunk forwards over an unwindowed cache (the "
                 "recompute policy's); this forward has a sliding window or several chunks."

@@ -142,11 +142,13 @@ class BaseKVCacheEngine:
         dtype: torch.dtype,
         device: torch.device,
         chunk_layout: tuple[int, ...] = (1,),
+        attention_window: AttentionWindow | None = None,
     ) -> None:
         """Raise ``ValueError`` if a call cannot be served by what ``cache_tag`` holds. Writes nothing.
 
         ``chunk_layout`` is the call's split into chunks (frame counts); windowed engines check that each chunk fits
-        the window and that the frames its first chunk attends to are still held.
+        the window and that the frames its first chunk attends to are still held. ``attention_window`` is the call's
+        own window (see :meth:`check_call_window`), checked instead of the engine's.
         """
         layout = {
             "batch_size": batch_size,
@@ -156,7 +158,48 @@ class BaseKVCacheEngine:
             "dtype": dtype,
             "device": device,
         }
-        self._tags.check_call(cache_tag, self.window, start_frame, chunk_layout, layout)
+        if attention_window is None:
+            self._tags.check_call(cache_tag, self.window, start_frame, chunk_layout, layout)
+            return
+        self._tags.check_call(cache_tag, attention_window, start_frame, chunk_layout, layout, check_held=False)
+        self.check_call_window(cache_tag, attention_window, start_frame, chunk_layout[0])
+
+    def check_call_window(
+        self, cache_tag: str, attention_window: AttentionWindow, start_frame: int, first_chunk_frames: int
+    ) -> None:
+        """Raise ``ValueError`` unless a call at ``start_frame`` attending under its own ``attention_window`` sees only
+        frames ``cache_tag`` holds.
+
+        A per-call window lets one rollout attend under several windows while the engine holds the union of what
+        they see: the engine's window (``window_frames`` / ``sink_frames``) is then the *holding* window, and a call
+        may attend to any held frames (its own sink and recent frames). Such a call evicts nothing
+        (:meth:`begin_call`); stores still evict by the holding window.
+        """
+        if not isinstance(attention_window, AttentionWindow):
+            raise ValueError(
+                f"`attention_window` must be an AttentionWindow or None, got {type(attention_window).__name__}."
+            )
+        state = self._tags.get(cache_tag)
+        if not self.window.bounded or state is None:
+            return
+        if not attention_window.bounded:
+            raise ValueError(
+                f"An unbounded `attention_window` attends to every earlier frame, but the engine holds only its window "
+                f"(window_frames={self.window.frames}, sink_frames={self.window.sink}); give the call a bounded "
+                "window within it."
+            )
+        held_from = max(self.window.sink, state.evicted_before)  # non-sink frames before it are gone
+        sink_end, recent_start = attention_window.visible(start_frame, first_chunk_frames)
+        for first, last in ((0, sink_end), (recent_start, start_frame)):
+            gone_first, gone_last = max(first, self.window.sink), min(last, held_from)
+            if gone_first < gone_last:
+                raise ValueError(
+                    f"A call at start_frame={start_frame} under attention_window={attention_window.frames} "
+                    f"(sink {attention_window.sink}) attends to frames [{gone_first}, {gone_last}) that cache_tag "
+                    f"{cache_tag!r} no longer holds (the engine's window_frames={self.window.frames}, "
+                    f"sink_frames={self.window.sink} keeps the sink and the frames from {held_from} on). Give the "
+                    "engine a window holding every frame its calls attend to."
+                )
 
     def visible_window(self, start_frame: int, first_chunk_frames: int) -> tuple[int, int]:
         """``(sink_end, recent_start)``: the cached frames a call's first chunk attends to are ``[0, sink_end)`` and
@@ -168,12 +211,21 @@ class BaseKVCacheEngine:
         attends to (every frame before it, or the window and sink)."""
         return self.window.visible_frames(start_frame, first_chunk_frames)
 
-    def held_visible(self, cache_tag: str, start_frame: int, first_chunk_frames: int) -> tuple[int, int]:
+    def held_visible(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        first_chunk_frames: int,
+        attention_window: AttentionWindow | None = None,
+    ) -> tuple[int, int]:
         """[`visible_window`] clipped to what ``cache_tag`` holds (``[0, sink_end)``, ``[recent_start, start_frame)``).
 
         The same as :meth:`visible_window` for every call the rules allow; only the calls of a windowed recache
-        (:meth:`skip_evicted`) see fewer frames, as their evicted predecessors are gone.
+        (:meth:`skip_evicted`) see fewer frames, as their evicted predecessors are gone. A call under its own
+        ``attention_window`` sees that window's frames (checked held by :meth:`check_call_window`).
         """
+        if attention_window is not None:
+            return attention_window.visible(start_frame, first_chunk_frames)
         sink_end, recent_start = self.window.visible(start_frame, first_chunk_frames)
         state = self._tags.get(cache_tag)
         if state is not None and self.window.bounded:
@@ -254,14 +306,21 @@ class BaseKVCacheEngine:
         return snapshot
 
     # ------------------------------------------------------------------ the forward's operations
-    def begin_call(self, cache_tag: str, start_frame: int, first_chunk_frames: int) -> None:
+    def begin_call(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        first_chunk_frames: int,
+        attention_window: AttentionWindow | None = None,
+    ) -> None:
         """Evict (windowed engines) the non-sink frames before the window of a call about to run.
 
         Called once per forward, after :meth:`ensure_capacity` and before the blocks run, so that every block of the
-        branch evicts the same frames.
+        branch evicts the same frames. A call under its own ``attention_window`` evicts nothing: later calls may
+        attend under other windows (its stores still evict by the engine's window).
         """
         state = self._tags.get(cache_tag)
-        if not self.window.bounded or state is None:
+        if not self.window.bounded or state is None or attention_window is not None:
             return
         _, recent_start = self.window.visible(start_frame, first_chunk_frames)
         if recent_start <= max(self.window.sink, state.evicted_before):
@@ -320,16 +379,26 @@ class BaseKVCacheEngine:
     def _reserve(self, state: TagState, cache_tag: str, max_frames: int | None) -> None:
         """Preallocating engines grow their buffers here."""
 
-    def get_self_prefix(self, block_idx: int, cache_tag: str, start_frame: int, first_chunk_frames: int = 1):
+    def get_self_prefix(
+        self,
+        block_idx: int,
+        cache_tag: str,
+        start_frame: int,
+        first_chunk_frames: int = 1,
+        attention_window: AttentionWindow | None = None,
+    ):
         """Cached ``(key, value)``, each ``(B, prefix_tokens, H, D)`` in frame order, visible to a call at
-        ``start_frame`` whose first chunk has ``first_chunk_frames`` frames (the window shrinks as it grows).
+        ``start_frame`` whose first chunk has ``first_chunk_frames`` frames (the window shrinks as it grows), under
+        the engine's window or the call's own ``attention_window``.
 
         ``None`` when nothing is visible. The attention path asks :meth:`self_attention_kv` for
         ``[prefix | this call]`` in one piece instead: the prefix alone and then a concatenation with the call
         would copy the prefix twice (and the static engine's hot path copies nothing). Both read the same
         :meth:`_self_prefix_pieces`, so they cannot disagree.
         """
-        keys, values = self._self_prefix_pieces(block_idx, cache_tag, start_frame, first_chunk_frames)
+        keys, values = self._self_prefix_pieces(
+            block_idx, cache_tag, start_frame, first_chunk_frames, attention_window
+        )
         if not keys:
             return None
         if len(keys) == 1:
@@ -452,9 +521,14 @@ class BaseKVCacheEngine:
         raise NotImplementedError
 
     def _self_prefix_pieces(
-        self, block_idx: int, cache_tag: str, start_frame: int, first_chunk_frames: int
+        self,
+        block_idx: int,
+        cache_tag: str,
+        start_frame: int,
+        first_chunk_frames: int,
+        attention_window: AttentionWindow | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Views of the visible cached K and V, each ``(B, tokens, H, D)``, in frame order (:meth:`visible_window`)."""
+        """Views of the visible cached K and V, each ``(B, tokens, H, D)``, in frame order (:meth:`held_visible`)."""
         raise NotImplementedError
 
     def append_self_kv(

@@ -249,10 +249,10 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         visible = self.window.slots(end_frame)
         return entry.key[:, : visible * seqlen], entry.value[:, : visible * seqlen]
 
-    def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames):
+    def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames, attention_window=None):
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
         seqlen = self._tags[cache_tag].frame_seqlen
-        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames)
+        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
         keys, values = [], []
         for first, last in ((0, sink_end), (recent_start, start_frame)):
             for _, slot, count in self._slot_runs(first, last):

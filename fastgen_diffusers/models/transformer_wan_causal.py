@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ from torch import nn
 
 from ..chunking import chunk_layout
 from ..context import CausalContext
-from ..kv_cache import BaseKVCacheEngine, CrossKVMode, KVCacheEngine
+from ..kv_cache import AttentionWindow, BaseKVCacheEngine, CrossKVMode, KVCacheEngine
 from ..kv_cache.cross import ConditioningKey
 from ..kv_cache.masks import BlockMaskMemo
 from ..parallel import (
@@ -280,6 +280,24 @@ class CausalWanMixin:
         first_alone = self.config.independent_first_frame and start_frame == 0
         return chunk_layout(num_frames, self.config.chunk_size, first_alone)
 
+    def _call_layout(
+        self, num_frames: int, start_frame: int, chunk_layout: Sequence[int] | None = None
+    ) -> tuple[int, ...]:
+        """The chunks of a call: ``chunk_layout`` when the call gives one (checked), else :meth:`chunk_layout_for`."""
+        if chunk_layout is None:
+            return self.chunk_layout_for(num_frames, start_frame)
+        layout = tuple(chunk_layout) if isinstance(chunk_layout, (tuple, list)) else None
+        if (
+            not layout
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layout)
+            or sum(layout) != num_frames
+        ):
+            raise ValueError(
+                f"`chunk_layout` must be a tuple of positive frame counts summing to the call's {num_frames} latent "
+                f"frames (e.g. ({num_frames},): one chunk, no mask), or None, got {chunk_layout!r}."
+            )
+        return layout
+
     def _frame_timesteps(self, timestep: torch.Tensor, batch_size: int, num_frames: int) -> torch.Tensor:
         """``(B,)`` or ``(B, F)`` model-scale timesteps as ``(B, F)``."""
         if not isinstance(timestep, torch.Tensor):
@@ -367,12 +385,14 @@ class CausalWanMixin:
         text_len: int,
         image_len: int,
         attention_bias: float = 1.0,
+        attention_window: AttentionWindow | None = None,
+        chunk_layout: Sequence[int] | None = None,
     ) -> CausalContext:
         """Size the entries of ``cache_tag`` and decide each engine's cross K/V mode (after :meth:`_check_call`)."""
         dtype = self._compute_dtype(device)
         grad_enabled = torch.is_grad_enabled()
         cross_modes, matches = {}, {}  # engines filled from one source compare the conditioning once
-        layout = self.chunk_layout_for(num_frames, start_frame)
+        layout = self._call_layout(num_frames, start_frame, chunk_layout)
         for engine in self.kv_cache_engines.values():
             engine.ensure_capacity(
                 cache_tag,
@@ -386,7 +406,7 @@ class CausalWanMixin:
                 image_len=image_len,
                 max_frames=start_frame + num_frames,
             )
-            engine.begin_call(cache_tag, start_frame, layout[0])
+            engine.begin_call(cache_tag, start_frame, layout[0], attention_window)
             cross_modes[id(engine)] = engine.cross_mode(
                 cache_tag, conditioning, store_kv=store_kv, grad_enabled=grad_enabled, matches=matches
             )
@@ -403,6 +423,7 @@ class CausalWanMixin:
             mask_backend=self._resolve_mask_backend(device),
             block_masks=self.block_masks,
             attention_bias=attention_bias,
+            attention_window=attention_window,
         )
 
     def _check_call(
@@ -415,6 +436,8 @@ class CausalWanMixin:
         start_frame: int,
         cache_tag: str,
         store_kv: bool,
+        attention_window: AttentionWindow | None = None,
+        chunk_layout: Sequence[int] | None = None,
     ) -> tuple[int, int, int]:
         """Validate a call against the config and every engine; returns ``(post-patch F, H', W')``. Writes nothing.
 
@@ -443,7 +466,12 @@ class CausalWanMixin:
         post_h, post_w = height // p_h, width // p_w
         self._check_context_parallel_call(post_h * post_w)
         self._rope_offset_for(cache_tag, start_frame, num_frames // p_t, post_h, post_w)
-        layout = self.chunk_layout_for(num_frames // p_t, start_frame)
+        layout = self._call_layout(num_frames // p_t, start_frame, chunk_layout)
+        if attention_window is not None and not isinstance(attention_window, AttentionWindow):
+            raise ValueError(
+                f"`attention_window` must be an AttentionWindow (the call's own window) or None, got "
+                f"{type(attention_window).__name__}."
+            )
         for engine in self.kv_cache_engines.values():
             engine.check_call(
                 cache_tag,
@@ -455,6 +483,7 @@ class CausalWanMixin:
                 dtype=self._compute_dtype(hidden_states.device),
                 device=hidden_states.device,
                 chunk_layout=layout,
+                attention_window=attention_window,
             )
         return num_frames // p_t, post_h, post_w
 
@@ -471,9 +500,10 @@ class CausalWanMixin:
         for name, engine in self.kv_cache_engines.items():
             mode = ctx.cross_mode(engine)
             static_call = getattr(engine, "static_call", None)
+            # a call under its own window gathers what it sees: the engine's fixed buffers hold its holding window
             static = (
                 None
-                if static_call is None
+                if static_call is None or ctx.attention_window is not None
                 else static_call(ctx.cache_tag, ctx.start_frame, ctx.num_frames, first_chunk)
             )
             mask = None if static is not None else ctx.self_attention_mask(engine, device)
@@ -493,7 +523,12 @@ class CausalWanMixin:
                     )
                 else:
                     load_prefix = functools.partial(
-                        engine.get_self_prefix, block_idx, ctx.cache_tag, ctx.start_frame, first_chunk
+                        engine.get_self_prefix,
+                        block_idx,
+                        ctx.cache_tag,
+                        ctx.start_frame,
+                        first_chunk,
+                        ctx.attention_window,
                     )
                     self_attn = SelfAttentionInputs(mask=mask, store=store, load_prefix=load_prefix, bias=bias)
                 cross_attn = CrossAttentionInputs(mode, ctx.image_context_length)
@@ -580,6 +615,8 @@ class CausalWanMixin:
         store_kv: bool,
         return_dict: bool,
         kv_cache_attention_bias: float = 1.0,
+        attention_window: AttentionWindow | None = None,
+        chunk_layout: Sequence[int] | None = None,
         **block_inputs: Any,
     ) -> torch.Tensor | Transformer2DModelOutput:
         """The forward of a causal model around its block loop; ``block_inputs`` go to ``_forward_blocks``.
@@ -597,6 +634,8 @@ class CausalWanMixin:
             cache_tag=cache_tag,
             store_kv=store_kv,
             attention_bias=kv_cache_attention_bias,
+            attention_window=attention_window,
+            chunk_layout=chunk_layout,
         )
         try:
             output = self._compute_forward(
@@ -622,6 +661,8 @@ class CausalWanMixin:
         cache_tag: str,
         store_kv: bool,
         attention_bias: float = 1.0,
+        attention_window: AttentionWindow | None = None,
+        chunk_layout: Sequence[int] | None = None,
     ) -> ForwardCall:
         """Check the call, open the engines' transaction and decide everything per call (masks, slots, modes, RoPE)."""
         batch_size = hidden_states.shape[0]
@@ -633,6 +674,8 @@ class CausalWanMixin:
             start_frame=start_frame,
             cache_tag=cache_tag,
             store_kv=store_kv,
+            attention_window=attention_window,
+            chunk_layout=chunk_layout,
         )
         device = hidden_states.device
         temb, timestep_proj = self._timestep_embedding(timestep, batch_size, post_f, encoder_hidden_states.dtype)
@@ -659,6 +702,8 @@ class CausalWanMixin:
                 text_len=encoder_hidden_states.shape[1],
                 image_len=image_len,
                 attention_bias=float(attention_bias),
+                attention_window=attention_window,
+                chunk_layout=chunk_layout,
             )
             attention_inputs = self._attention_inputs(ctx, device)
         except BaseException:
@@ -810,6 +855,9 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
         return_dict: bool = True,
         attention_kwargs: dict[str, Any] | None = None,
         kv_cache_attention_bias: float = 1.0,
+        # per-call attention layout (a rollout that attends under several windows: Rolling Forcing's)
+        attention_window: AttentionWindow | None = None,
+        chunk_layout: Sequence[int] | None = None,
     ) -> torch.Tensor | Transformer2DModelOutput:
         """Flow prediction for the latent frames ``[start_frame, start_frame + F)`` given the cached prefix.
 
@@ -827,6 +875,13 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
             kv_cache_attention_bias: Krea's bias in ``[0.01, 1]``: on a denoising forward (``store_kv=False``) the
                 logits of the cached keys after the first cached frame (the anchor) get ``log(bias)`` added, as an
                 additive float mask; 1 (default): no mask at all.
+            attention_window: the window this call attends under (an [`AttentionWindow`]: frames and sink) instead of
+                each engine's own; it must see only frames the engines hold (their window is then the holding window,
+                e.g. sink + recent frames for calls that attend under different windows), and the call evicts nothing
+                (stores still evict by the engines' windows). ``None`` (default): the engines' windows.
+            chunk_layout: frame counts of the call's causal chunks (summing to F), instead of the config's rule
+                (``chunk_size`` chunks, the first absorbing the remainder): ``(F,)`` makes the call one chunk whose
+                frames all see each other (no mask). ``None`` (default): the config's rule.
 
         Returns:
             ``(B, C_out, F, H, W)`` flow prediction, like ``WanTransformer3DModel``.
@@ -841,4 +896,6 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
             store_kv=store_kv,
             return_dict=return_dict,
             kv_cache_attention_bias=kv_cache_attention_bias,
+            attention_window=attention_window,
+            chunk_layout=chunk_layout,
         )
