@@ -184,9 +184,9 @@ class BaseKVCacheEngine:
             return
         if not attention_window.bounded:
             raise ValueError(
-                f"An unbounded `attention_window` attends to every earlier frame, but the engine holds only its window "
-                f"(window_frames={self.window.frames}, sink_frames={self.window.sink}); give the call a bounded "
-                "window within it."
+                "An unbounded `attention_window` attends to every earlier frame, but the engine holds only its "
+                f"window (window_frames={self.window.frames}, sink_frames={self.window.sink}); give the call a "
+                "bounded window within it."
             )
         held_from = max(self.window.sink, state.evicted_before)  # non-sink frames before it are gone
         sink_end, recent_start = attention_window.visible(start_frame, first_chunk_frames)
