@@ -36,6 +36,8 @@ class CausalContext:
             ``log(attention_bias)`` to the logits of the cached keys after the first frame (the anchor); 1: off.
         attention_window: the window this call attends under instead of each engine's own (``None``: the engines'),
             checked by every engine against what it holds.
+        query_positions: temporal RoPE positions of the call's frames when the engines store keys before RoPE (set
+            by the model from the engines' ``key_positions``); ``None``: absolute frames.
     """
 
     cache_engines: Mapping[str, BaseKVCacheEngine]
@@ -52,6 +54,7 @@ class CausalContext:
     committed: bool = False
     attention_bias: float = 1.0
     attention_window: AttentionWindow | None = None
+    query_positions: tuple[int, ...] | None = None
 
     @property
     def is_multi_chunk(self) -> bool:

@@ -1,11 +1,12 @@
 """The Reward Forcing and Rolling Forcing reference recordings load, are self-consistent, and replay where they can.
 
 ``tests/data/reward_forcing_tiny`` and ``tests/data/rolling_forcing_tiny`` (see their READMEs) hold a tiny random Wan
-model and every transformer call that each project's own inference code made with it. Today's engine keeps absolute
-RoPE positions and a fixed sink, so it reproduces only the calls made before either project departs from that:
+model and every transformer call that each project's own inference code made with it. Reward Forcing (window 9,
+sink 3, chunks of 3) replays at parity with engines built with ``rope_positions="window"`` (keys stored before RoPE,
+rotated by their slot in ``[sink | window | call]``, queries at 6..8 from chunk 2 on) and ``sink_update="ema"``
+(the sink an EMA of the evicted frames), every call of both recorded variants; today's default cache (absolute
+positions, fixed sink) only until the window slides. Rolling Forcing replays where absolute positions apply:
 
-* Reward Forcing (window 9, sink 3, chunks of 3): chunks 0-2, before the window slides. From chunk 3 on the queries
-  sit at window slots 6..8 and the sink is an EMA of evicted frames.
 * Rolling Forcing (5 staggered steps, windows of 5 blocks): the denoising forwards of windows 0-6 (the anchor block is
   still at its absolute position) and every commit forward (the last 21 cached frames, absolute positions).
 
@@ -179,15 +180,102 @@ def test_reward_forcing_sampler_is_self_consistent(reward):
             assert_close(x0, final, 1e-6, f"{variant} chunk {chunk} final x0")
 
 
+def reward_model(kind: str, decay: float = 0.999, **engine_options):
+    """The recording's model with Reward Forcing's cache: window 9, sink 3, window-relative RoPE, EMA sink."""
+    model = WanCausalTransformer3DModel.from_pretrained(REWARD / "transformer", chunk_size=BLOCK).eval()
+    options = {"rope_positions": "window", "sink_update": "ema", "sink_decay": decay, **engine_options}
+    model.set_kv_cache_engines(make_engines(model, kind, window_frames=9, sink_frames=3, max_frames=64, **options))
+    return model
+
+
+def reward_calls(meta, variant):
+    """``(variant the tensors come from, call)`` of every call of ``variant``: ``ema09`` takes chunks 0-2 from
+    ``main`` (bit-identical when recorded, stored once)."""
+    info = meta["variants"][variant]
+    first = info["first_stored_chunk"]
+    early = [("main", c) for c in meta["variants"]["main"]["calls"] if c["chunk"] < first]
+    return early + [(variant, c) for c in info["calls"] if c["chunk"] >= first]
+
+
+def layer0_sink(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's sink K/V ``(1, 48, 2, 32)`` as held (keys before RoPE): what a call at frame 3 sees of the cache."""
+    return model.kv_cache_engines["main"].get_self_prefix(0, "pos", 3, BLOCK)
+
+
+@pytest.mark.parametrize("kind", ["static", "vanilla"])
+@pytest.mark.parametrize("variant", ["main", "ema09"])
+@torch.no_grad()
+def test_replaying_every_reward_forcing_call(reward, kind, variant):
+    """Every recorded call (4 denoising steps and the context pass per chunk) at parity with window-relative RoPE
+    and the EMA sink, store on the context pass only; ``ema09``'s layer-0 sink K/V equal the recorded ones."""
+    meta, inputs, outputs = reward
+    model = reward_model(kind, meta["variants"][variant]["sink_decay"])
+    worst, worst_sink, replayed = 0.0, 0.0, 0
+    for source, call in reward_calls(meta, variant):
+        chunk = call["chunk"]
+        out = model(
+            model_layout(reward_call_input(source, call, inputs, outputs)),
+            torch.tensor([call["timestep"]]),
+            inputs["prompt_embeds"],
+            start_frame=call["start_frame"],
+            store_kv=call["kind"] == "context",
+            return_dict=False,
+        )[0]
+        expected = model_layout(outputs[f"{source}.chunk{chunk}.{call['kind']}.flow_pred"])
+        worst, replayed = (
+            max(worst, assert_close(out, expected, PARITY, f"{variant} chunk {chunk} {call['kind']}")),
+            replayed + 1,
+        )
+        sink_key = f"{variant}.chunk{chunk}.layer0.sink_k"
+        if sink_key in outputs and chunk >= 2:  # recorded right after the chunk's update (chunk 2: before any)
+            key, value = layer0_sink(model)
+            worst_sink = max(worst_sink, assert_close(key, outputs[sink_key], PARITY, f"sink K after chunk {chunk}"))
+            value_key = f"{variant}.chunk{chunk}.layer0.sink_v"
+            worst_sink = max(
+                worst_sink, assert_close(value, outputs[value_key], PARITY, f"sink V after chunk {chunk}")
+            )
+    assert replayed == meta["variants"][variant]["num_chunks"] * (len(meta["denoising_step_list_used"]) + 1)
+    assert worst <= PARITY, f"max abs diff {worst:.3e} over {replayed} calls"
+
+
+@torch.no_grad()
+def test_free_running_reward_forcing_reaches_the_recorded_final_latents(reward):
+    """The recorded sampler (x0 in float64, re-noise with the recorded draws) fed with our own predictions: the 30
+    final latent frames of ``main`` match the recording (10 chunks, 7 EMA updates)."""
+    meta, inputs, outputs = reward
+    steps = meta["denoising_step_list_used"]
+    grid = flow_grid(meta["scheduler"]["shift"])
+    model = reward_model("static")
+    finals = []
+    for chunk in range(meta["variants"]["main"]["num_chunks"]):
+        start = BLOCK * chunk
+        x = inputs["main.noise"][:, start : start + BLOCK]
+        for step, t in enumerate(steps):
+            timestep = [t] * BLOCK
+            flow = model(
+                model_layout(x),
+                torch.tensor([timestep]),
+                inputs["prompt_embeds"],
+                start_frame=start,
+                return_dict=False,
+            )[0]
+            x0 = to_x0(x, model_layout(flow), timestep, grid)
+            if step + 1 < len(steps):
+                x = add_noise(x0, inputs[f"main.chunk{chunk}.step{step}.renoise_noise"], steps[step + 1], grid)
+        model(model_layout(x0), torch.zeros(1, BLOCK), inputs["prompt_embeds"], start_frame=start, store_kv=True)
+        finals.append(x0)
+    assert_close(torch.cat(finals, dim=1), outputs["main.final_latents"], PARITY, "final latents")
+
+
 @pytest.mark.parametrize("kind", ["static", "vanilla"])
 @torch.no_grad()
-def test_replaying_reward_forcing_before_the_window_slides(reward, kind):
-    """Chunks 0-2 (every query and key at its absolute frame, no eviction) replay at parity; chunk 3 does not."""
+def test_absolute_positions_and_a_fixed_sink_replay_only_until_the_window_slides(reward, kind):
+    """Today's default cache (absolute RoPE, fixed sink) matches chunks 0-2 and not chunk 3: the recording tells
+    the two apart."""
     meta, inputs, outputs = reward
     model = load_model(REWARD, chunk_size=BLOCK, window=9, sink=3, kind=kind)
-    calls = meta["variants"]["main"]["calls"]
     worst, replayed = 0.0, 0
-    for call in calls:
+    for call in meta["variants"]["main"]["calls"]:
         out = model(
             model_layout(reward_call_input("main", call, inputs, outputs)),
             torch.tensor([call["timestep"]]),
@@ -200,11 +288,9 @@ def test_replaying_reward_forcing_before_the_window_slides(reward, kind):
         if call["chunk"] < 3:
             worst, replayed = max(worst, diff), replayed + 1
         else:
-            # absolute positions and a fixed sink: the first call after the slide is measurably off
             assert diff > 1e-3, f"chunk {call['chunk']} {call['kind']} unexpectedly matches ({diff:.2e})"
             break
-    assert replayed == 3 * (len(meta["denoising_step_list_used"]) + 1) == 15
-    assert worst <= PARITY, f"max abs diff {worst:.3e} over {replayed} calls"
+    assert replayed == 15 and worst <= PARITY, f"max abs diff {worst:.3e} over {replayed} calls"
 
 
 @torch.no_grad()

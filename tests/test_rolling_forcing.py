@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -146,3 +145,42 @@ def test_rolling_policy_replays_every_recorded_call_and_the_final_latents(refere
     stub = ReplayTransformer(meta, outputs)
     run_policy(meta, inputs, stub, store_last=False)
     assert stub.index == 27
+
+
+@pytest.mark.parametrize("kind", ["static", "vanilla"])
+def test_rolling_policy_with_the_transformer_matches_every_recorded_forward(reference, kind):
+    """A free run of the policy on the tiny model: its 28 forwards and final latents against upstream's. The engines
+    hold the anchor and the last 21 frames (window 24, sink 3) and store keys before RoPE: the anchor is rotated at
+    read time to sit right before the oldest frame a denoising forward sees (``rope_positions="anchor"``)."""
+    meta, inputs, outputs = reference
+    model = WanCausalTransformer3DModel.from_pretrained(ROLLING / "transformer", chunk_size=BLOCK).eval()
+    window = RollingPolicy().engine_window(BLOCK)
+    assert window == AttentionWindow(24, BLOCK)  # upstream's 24-frame cache
+    engines = make_engines(
+        model, kind, window_frames=window.frames, sink_frames=window.sink, max_frames=30, rope_positions="anchor"
+    )
+    model.set_kv_cache_engines(engines)
+    flows = []
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        flows.append(out[0])
+        return out
+
+    model.forward = recording
+    try:
+        chunks = run_policy(meta, inputs, model)
+    finally:
+        del model.forward
+    assert len(flows) == len(meta["calls"]) == 28
+    worst = 0.0
+    for call, flow in zip(meta["calls"], flows):
+        key = f"window{call['window']}.commit" if call["kind"] == "commit" else f"window{call['window']}"
+        worst = max(worst, (layout(flow) - outputs[f"{key}.flow_pred"]).abs().max().item())
+    assert worst <= PARITY, f"max abs diff {worst:.3e} over 28 forwards"
+    final = torch.cat([c.latents for c in chunks], dim=2)
+    error = (final - layout(outputs["final_latents"])).abs().max().item()
+    assert error <= PARITY, f"final latents: max abs diff {error:.3e}"
+    # the engines never hold more than the anchor and 21 frames
+    assert all(engine.held_frames("pos") <= 24 for engine in model.kv_cache_engines.values())

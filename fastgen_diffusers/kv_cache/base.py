@@ -16,7 +16,9 @@ part          module                                       holds
 Block-causal masks are memoised by the model (:mod:`~fastgen_diffusers.kv_cache.masks`), byte formulas live in
 :mod:`~fastgen_diffusers.kv_cache.accounting`.
 
-Self-attention keys are stored after ``norm_k`` and RoPE, values as projected, both ``(B, tokens, H, D)`` and
+Self-attention keys are stored after ``norm_k`` and RoPE (``rope_positions="absolute"``, the default) or after
+``norm_k`` only (any other mode, :mod:`~fastgen_diffusers.kv_cache.positions`: the model rotates them at read time at
+the positions :meth:`BaseKVCacheEngine.key_positions` gives), values as projected, both ``(B, tokens, H, D)`` and
 detached. The rules every engine keeps (checked by :meth:`BaseKVCacheEngine.check_call` before anything is
 written):
 
@@ -33,7 +35,9 @@ written):
 Sliding window and sink (``window_frames``, ``sink_frames``): the engine's :class:`AttentionWindow` (``self.window``)
 states the rule once; the engine evicts what it says is out of every later window, per frame and the same in every
 engine: a call evicts the non-sink frames before its first chunk's window, a store keeps the sink and the frames
-from :meth:`AttentionWindow.recent_start` on. Keys are stored after RoPE, so positions stay absolute. A call that
+from :meth:`AttentionWindow.recent_start` on. With absolute positions keys are stored after RoPE, so positions stay
+absolute; ``rope_positions="window"`` puts them at their slot of the window instead, and ``sink_update="ema"`` folds
+the evicted frames into the sink (:meth:`BaseKVCacheEngine.begin_call`). A call that
 needs an evicted frame is an error, except inside a windowed recache (:meth:`BaseKVCacheEngine.skip_evicted`), whose
 calls attend to the frames held.
 """
@@ -49,9 +53,57 @@ from torch import nn
 
 from .accounting import tensor_bytes
 from .cross import ConditioningKey, CrossKVCache, CrossKVEntry, CrossKVMode
+from .positions import ROPE_POSITION_MODES, RopePositionMode, RopePositions
 from .registry import BlockRegistry
 from .tags import TagState, TagTable
 from .window import AttentionWindow
+
+SINK_UPDATES = ("fixed", "ema")
+
+
+def check_rope_and_sink_settings(
+    window: AttentionWindow,
+    rope_positions: Any,
+    sink_update: Any,
+    sink_decay: Any,
+    *,
+    window_name: str = "window_frames",
+    sink_name: str = "sink_frames",
+) -> RopePositionMode:
+    """Raise ``ValueError`` for a positions mode or sink update that cannot work with ``window``; returns the mode.
+
+    * ``rope_positions`` must be one of :data:`~fastgen_diffusers.kv_cache.positions.ROPE_POSITION_MODES`; ``"window"``
+      and ``"anchor"`` need a sliding window (positions are slots of it, or the sink moved next to it);
+    * ``sink_update`` must be ``"fixed"`` or ``"ema"``; ``"ema"`` needs sink frames and keys stored before RoPE (an
+      average of keys rotated for different frames mixes their positions), so ``rope_positions`` other than
+      ``"absolute"``;
+    * ``sink_decay`` must be a number in ``(0, 1)``.
+    """
+    if not isinstance(rope_positions, str) or rope_positions not in ROPE_POSITION_MODES:
+        raise ValueError(f"`rope_positions` must be one of {tuple(ROPE_POSITION_MODES)}, got {rope_positions!r}.")
+    mode = ROPE_POSITION_MODES[rope_positions]
+    if mode.needs_window and not window.bounded:
+        raise ValueError(
+            f"`rope_positions={rope_positions!r}` positions keys within the sliding window and its sink: set "
+            f"`{window_name}` as well (or use rope_positions='absolute')."
+        )
+    if not isinstance(sink_update, str) or sink_update not in SINK_UPDATES:
+        raise ValueError(f"`sink_update` must be one of {SINK_UPDATES}, got {sink_update!r}.")
+    if isinstance(sink_decay, bool) or not isinstance(sink_decay, (int, float)) or not 0 < sink_decay < 1:
+        raise ValueError(f"`sink_decay` must be a number in (0, 1) (exclusive), got {sink_decay!r}.")
+    if sink_update == "ema":
+        if not window.sink:
+            raise ValueError(
+                f"`sink_update='ema'` averages evicted frames into the sink: set `{sink_name}` > 0 (and "
+                f"`{window_name}`), or use sink_update='fixed'."
+            )
+        if not mode.keys_before_rope:
+            unrotated = tuple(name for name, entry in ROPE_POSITION_MODES.items() if entry.keys_before_rope)
+            raise ValueError(
+                "`sink_update='ema'` averages the keys of frames at different positions, which needs keys stored "
+                f"before RoPE: use rope_positions in {unrotated}, not 'absolute' (or sink_update='fixed')."
+            )
+    return mode
 
 
 @dataclass
@@ -80,10 +132,30 @@ class BaseKVCacheEngine:
         window_frames: attend to at most this many latent frames per chunk (its own frames and the sink included);
             ``None`` keeps and attends to every frame.
         sink_frames: the first frames of the video, kept and attended to for ever (needs ``window_frames``).
+        rope_positions: temporal RoPE positions of the keys (:mod:`~fastgen_diffusers.kv_cache.positions`):
+            ``"absolute"`` (keys stored after RoPE at their frame) or ``"window"`` (keys stored before RoPE and rotated
+            at read time by their slot in ``[sink | recent | call]``; needs ``window_frames``).
+        sink_update: ``"fixed"`` (the sink keeps its first K/V) or ``"ema"``: when frames leave the window, per tag
+            and block, ``sink = sink_decay * sink + (1 - sink_decay) * evicted`` for K and V (needs sink frames and
+            keys stored before RoPE; see :meth:`begin_call`).
+        sink_decay: the EMA's decay in ``(0, 1)`` (Reward Forcing: 0.999).
     """
 
-    def __init__(self, *, window_frames: int | None = None, sink_frames: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        window_frames: int | None = None,
+        sink_frames: int = 0,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str = "absolute",
+        sink_update: str = "fixed",
+        sink_decay: float = 0.999,
+    ) -> None:
         self.window = AttentionWindow.from_arguments(window_frames, sink_frames, frames_name="window_frames")
+        self._rope_mode = check_rope_and_sink_settings(self.window, rope_positions, sink_update, sink_decay)
+        self.rope_positions = rope_positions
+        self.sink_update = sink_update
+        self.sink_decay = float(sink_decay)
         self.blocks = BlockRegistry()
         self._tags = TagTable()
         self._self_kv: list[dict[str, Any]] = []
@@ -97,6 +169,11 @@ class BaseKVCacheEngine:
     @property
     def sink_frames(self) -> int:
         return self.window.sink
+
+    @property
+    def keys_before_rope(self) -> bool:
+        """Whether self-attention keys are stored un-rotated and rotated at read time (:meth:`key_positions`)."""
+        return self._rope_mode.keys_before_rope
 
     @property
     def _cross_kv(self) -> list[dict[str, CrossKVEntry]]:
@@ -143,12 +220,14 @@ class BaseKVCacheEngine:
         device: torch.device,
         chunk_layout: tuple[int, ...] = (1,),
         attention_window: AttentionWindow | None = None,
+        store_kv: bool = False,
     ) -> None:
         """Raise ``ValueError`` if a call cannot be served by what ``cache_tag`` holds. Writes nothing.
 
         ``chunk_layout`` is the call's split into chunks (frame counts); windowed engines check that each chunk fits
-        the window and that the frames its first chunk attends to are still held. ``attention_window`` is the call's
-        own window (see :meth:`check_call_window`), checked instead of the engine's.
+        the window and that the frames its first chunk attends to are still held. With ``sink_update="ema"`` the
+        frames the call evicts must be as many as the sink's (see :meth:`begin_call`). ``attention_window`` is the
+        call's own window (see :meth:`check_call_window`), checked instead of the engine's.
         """
         layout = {
             "batch_size": batch_size,
@@ -160,7 +239,14 @@ class BaseKVCacheEngine:
         }
         if attention_window is None:
             self._tags.check_call(cache_tag, self.window, start_frame, chunk_layout, layout)
+            if self.sink_update == "ema":
+                self._check_ema_call(cache_tag, start_frame, chunk_layout, store_kv)
             return
+        if self.sink_update == "ema":
+            raise ValueError(
+                "A call under its own `attention_window` evicts nothing, so it cannot fold evicted frames into an EMA "
+                "sink: use sink_update='fixed' with per-call windows."
+            )
         self._tags.check_call(cache_tag, attention_window, start_frame, chunk_layout, layout, check_held=False)
         self.check_call_window(cache_tag, attention_window, start_frame, chunk_layout[0])
 
@@ -200,6 +286,32 @@ class BaseKVCacheEngine:
                     f"sink_frames={self.window.sink} keeps the sink and the frames from {held_from} on). Give the "
                     "engine a window holding every frame its calls attend to."
                 )
+
+    def _check_ema_call(self, cache_tag: str, start_frame: int, chunk_layout: Sequence[int], store_kv: bool) -> None:
+        """The EMA sink folds the frames a call evicts into the sink frame by frame, so every eviction must remove
+        exactly ``sink_frames`` frames (Reward Forcing: chunks of the sink's size) and happen when a call begins."""
+        state = self._tags.get(cache_tag)
+        if state is None or state.recaching:
+            return
+        window = self.window
+        _, recent_start = window.visible(start_frame, chunk_layout[0])
+        first = max(window.sink, state.evicted_before)
+        evicted = recent_start - first
+        if 0 < evicted != window.sink:
+            raise ValueError(
+                f"`sink_update='ema'` folds the frames leaving the window into the sink frame by frame, so every "
+                f"eviction must remove exactly sink_frames={window.sink} frames; the call at start_frame="
+                f"{start_frame} evicts {evicted} (frames [{first}, {recent_start})). Use chunks of {window.sink} "
+                f"frames with `window_frames - sink_frames` a multiple of them (Reward Forcing: chunks of 3, "
+                "window 9, sink 3), or sink_update='fixed'."
+            )
+        end_frame = start_frame + sum(chunk_layout)
+        if store_kv and len(chunk_layout) > 1 and window.recent_start(end_frame) > max(first, recent_start):
+            raise ValueError(
+                f"`sink_update='ema'` updates the sink when a call begins; a store of several chunks "
+                f"({tuple(chunk_layout)} frames at start_frame={start_frame}) would evict more frames when it ends. "
+                "Store one chunk per call once the window slides, or use sink_update='fixed'."
+            )
 
     def visible_window(self, start_frame: int, first_chunk_frames: int) -> tuple[int, int]:
         """``(sink_end, recent_start)``: the cached frames a call's first chunk attends to are ``[0, sink_end)`` and
@@ -316,18 +428,83 @@ class BaseKVCacheEngine:
         """Evict (windowed engines) the non-sink frames before the window of a call about to run.
 
         Called once per forward, after :meth:`ensure_capacity` and before the blocks run, so that every block of the
-        branch evicts the same frames. A call under its own ``attention_window`` evicts nothing: later calls may
-        attend under other windows (its stores still evict by the engine's window).
+        branch evicts the same frames. With ``sink_update="ema"`` the evicted frames ``e`` (exactly ``sink_frames``
+        of them, checked by :meth:`check_call`) are first folded into the sink, per block, K and V alike:
+        ``sink[i] = sink_decay * sink[i] + (1 - sink_decay) * e[i]`` (Reward Forcing's update at the first forward
+        of a chunk that evicts; every call of that chunk then sees the updated sink). Inside the forward's
+        transaction, so a failed forward restores the sink. A windowed recache (:meth:`skip_evicted`) folds nothing.
+        A call under its own ``attention_window`` evicts nothing: later calls may attend under other windows (its
+        stores still evict by the engine's window).
         """
         state = self._tags.get(cache_tag)
         if not self.window.bounded or state is None or attention_window is not None:
             return
         _, recent_start = self.window.visible(start_frame, first_chunk_frames)
-        if recent_start <= max(self.window.sink, state.evicted_before):
+        first = max(self.window.sink, state.evicted_before)
+        if recent_start <= first:
             return
+        if self.sink_update == "ema" and not state.recaching:
+            self._fold_into_sink(cache_tag, state, first, recent_start)
         state.evicted_before = recent_start
         for block_idx in range(self.num_blocks):
             self._evict_self_entry(self._self_kv[block_idx][cache_tag], state, recent_start)
+
+    def _fold_into_sink(self, cache_tag: str, state: TagState, first: int, last: int) -> None:
+        """EMA of the evicted frames ``[first, last)`` into the sink frames ``[0, last - first)``, every block."""
+        decay = self.sink_decay
+        for block_idx in range(self.num_blocks):
+            entry = self._self_kv[block_idx][cache_tag]
+            sink_key, sink_value = self._frames_kv(entry, state, 0, last - first)
+            key, value = self._frames_kv(entry, state, first, last)
+            self._replace_sink(
+                entry,
+                state,
+                decay * sink_key + (1 - decay) * key,
+                decay * sink_value + (1 - decay) * value,
+            )
+
+    # ------------------------------------------------------------------ RoPE positions
+    def key_positions(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        num_frames: int,
+        first_chunk_frames: int,
+        *,
+        in_place: bool = False,
+        attention_window: AttentionWindow | None = None,
+    ) -> RopePositions:
+        """Temporal RoPE positions of the keys a call attends to, in the order the engine returns them, and of its
+        queries (:class:`~fastgen_diffusers.kv_cache.positions.RopePositions`), by the engine's ``rope_positions``.
+
+        The keys are ``[visible prefix | this call]`` (:meth:`get_self_prefix`, then the call's frames), or with
+        ``in_place=True`` those of the static engine's in-place path, in buffer slot order. Reads nothing but the
+        tag's bookkeeping, so it may be asked before or after :meth:`begin_call` (same answer). A call under its own
+        ``attention_window`` gets the keys of that window, positioned by the mode under it.
+        """
+        frames = self._key_frames(cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window)
+        window = self.window if attention_window is None else attention_window
+        positions = dict(zip(frames, self._rope_mode.rule(frames, window, self.rope_offset(cache_tag))))
+        return RopePositions(
+            tuple(positions[frame] for frame in frames),
+            tuple(positions[frame] for frame in range(start_frame, start_frame + num_frames)),
+        )
+
+    def _key_frames(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        num_frames: int,
+        first_chunk_frames: int,
+        in_place: bool,
+        attention_window: AttentionWindow | None = None,
+    ) -> list[int]:
+        """The frame of every key frame a call attends to, in the order the engine returns the keys."""
+        if in_place:
+            raise ValueError(f"{type(self).__name__} has no in-place attention path.")
+        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
+        own = range(start_frame, start_frame + num_frames)
+        return [*range(sink_end), *range(recent_start, start_frame), *own]
 
     def _store_window(self, state: TagState, start_frame: int, end_frame: int) -> list[tuple[int, int]]:
         """Frame ranges of a store of ``[start_frame, end_frame)`` that the engine keeps; records what it evicts.
@@ -538,6 +715,14 @@ class BaseKVCacheEngine:
         raise NotImplementedError
 
     def _truncate_self_entry(self, entry: Any, state: TagState, end_frame: int) -> None:
+        raise NotImplementedError
+
+    def _frames_kv(self, entry: Any, state: TagState, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held frames ``[first, last)`` of ``entry`` as ``(key, value)`` ``(B, (last - first) * S, H, D)``."""
+        raise NotImplementedError
+
+    def _replace_sink(self, entry: Any, state: TagState, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Replace the K/V of the first sink frames of ``entry`` by ``key``/``value`` (undone by :meth:`rollback`)."""
         raise NotImplementedError
 
     def _evict_self_entry(self, entry: Any, state: TagState, before: int) -> None:

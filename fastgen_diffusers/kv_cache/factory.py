@@ -18,6 +18,10 @@ def make_engines(
     window_frames: int | None = None,
     sink_frames: int = 0,
     max_frames: int | None = None,
+    # window-relative RoPE and EMA sink (Reward Forcing)
+    rope_positions: str = "absolute",
+    sink_update: str = "fixed",
+    sink_decay: float = 0.999,
 ) -> dict[str, BaseKVCacheEngine]:
     """One engine per branch of ``transformer`` (``transformer.kv_cache_branches()``), ready for
     ``transformer.set_kv_cache_engines(...)``.
@@ -28,15 +32,18 @@ def make_engines(
         window_frames: sliding attention window in latent frames, own frames and sink included (``None``: no window).
         sink_frames: first latent frames kept for ever inside the window.
         max_frames: latent frames of the rollout, so that static engines allocate once (ignored by ``"vanilla"``).
+        rope_positions, sink_update, sink_decay: window-relative RoPE and the EMA sink (see
+            :class:`~fastgen_diffusers.kv_cache.BaseKVCacheEngine`).
     """
+    options = {
+        "window_frames": window_frames,
+        "sink_frames": sink_frames,
+        "rope_positions": rope_positions,
+        "sink_update": sink_update,
+        "sink_decay": sink_decay,
+    }
     if kind == "static":
-        return {
-            name: StaticKVCacheEngine(max_frames, window_frames=window_frames, sink_frames=sink_frames)
-            for name in transformer.kv_cache_branches()
-        }
+        return {name: StaticKVCacheEngine(max_frames, **options) for name in transformer.kv_cache_branches()}
     if kind == "vanilla":
-        return {
-            name: VanillaKVCacheEngine(window_frames=window_frames, sink_frames=sink_frames)
-            for name in transformer.kv_cache_branches()
-        }
+        return {name: VanillaKVCacheEngine(**options) for name in transformer.kv_cache_branches()}
     raise ValueError(f"`kind` must be one of {ENGINE_KINDS}, got {kind!r}.")

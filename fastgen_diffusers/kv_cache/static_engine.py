@@ -107,12 +107,28 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         window_frames: sliding attention window in latent frames (see :class:`BaseKVCacheEngine`); the buffers then
             never exceed ``window_frames`` frames.
         sink_frames: first frames kept for ever inside the window.
+        rope_positions, sink_update, sink_decay: window-relative RoPE and the EMA sink (see
+            :class:`BaseKVCacheEngine`).
     """
 
     def __init__(
-        self, max_frames: int | None = None, *, window_frames: int | None = None, sink_frames: int = 0
+        self,
+        max_frames: int | None = None,
+        *,
+        window_frames: int | None = None,
+        sink_frames: int = 0,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str = "absolute",
+        sink_update: str = "fixed",
+        sink_decay: float = 0.999,
     ) -> None:
-        super().__init__(window_frames=window_frames, sink_frames=sink_frames)
+        super().__init__(
+            window_frames=window_frames,
+            sink_frames=sink_frames,
+            rope_positions=rope_positions,
+            sink_update=sink_update,
+            sink_decay=sink_decay,
+        )
         if max_frames is not None and (isinstance(max_frames, bool) or not isinstance(max_frames, int)):
             raise ValueError(f"`max_frames` must be None or a positive int, got {max_frames!r}.")
         if max_frames is not None and max_frames < 1:
@@ -248,6 +264,38 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         entry.written = (start_frame, end_frame, key.data_ptr())
         visible = self.window.slots(end_frame)
         return entry.key[:, : visible * seqlen], entry.value[:, : visible * seqlen]
+
+    def _key_frames(self, cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window=None):
+        """On the in-place path (:meth:`static_call`) the keys are the buffer's first slots, in slot order: the sink,
+        then the ring, whose order is not frame order once the window has wrapped."""
+        if not in_place:
+            return super()._key_frames(
+                cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window
+            )
+        end_frame = start_frame + num_frames
+        window = self.window
+        held = [(0, end_frame)]
+        if not window.all_seen_until(end_frame):
+            held = [(0, window.sink), (window.recent_start(end_frame), end_frame)]
+        by_slot = {}
+        for first, last in held:
+            for frame, slot, count in self._slot_runs(first, last):
+                by_slot.update({slot + i: frame + i for i in range(count)})
+        return [by_slot[slot] for slot in range(window.slots(end_frame))]
+
+    def _frames_kv(self, entry: StaticSelfEntry, state: TagState, first: int, last: int):
+        seqlen = state.frame_seqlen
+        pieces = [slice(slot * seqlen, (slot + count) * seqlen) for _, slot, count in self._slot_runs(first, last)]
+        key = torch.cat([entry.key[:, tokens] for tokens in pieces], dim=1)
+        value = torch.cat([entry.value[:, tokens] for tokens in pieces], dim=1)
+        return key, value
+
+    def _replace_sink(self, entry: StaticSelfEntry, state: TagState, key: torch.Tensor, value: torch.Tensor) -> None:
+        seqlen = state.frame_seqlen
+        frames = key.shape[1] // seqlen
+        self._keep_for_undo(entry, 0, frames, seqlen)
+        entry.key[:, : frames * seqlen] = key
+        entry.value[:, : frames * seqlen] = value
 
     def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames, attention_window=None):
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]

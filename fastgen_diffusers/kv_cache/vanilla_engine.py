@@ -44,6 +44,8 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
         window_frames: sliding attention window in latent frames (see :class:`BaseKVCacheEngine`); ``None`` keeps
             every frame.
         sink_frames: first frames kept for ever inside the window.
+        rope_positions, sink_update, sink_decay: window-relative RoPE and the EMA sink (see
+            :class:`BaseKVCacheEngine`; keyword-only).
     """
 
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> VanillaSelfEntry:
@@ -113,6 +115,31 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
                 if first < last:
                     tokens = slice((first - run_start) * seqlen, (last - run_start) * seqlen)
                     runs.append((first, key[:, tokens].clone(), value[:, tokens].clone()))
+        entry.replace(runs)
+
+    def _frames_kv(self, entry: VanillaSelfEntry, state: TagState, first: int, last: int):
+        seqlen = state.frame_seqlen
+        keys, values = [], []
+        for run_start, run_end, key, value in entry.runs(seqlen):
+            low, high = max(first, run_start), min(last, run_end)
+            if low < high:
+                tokens = slice((low - run_start) * seqlen, (high - run_start) * seqlen)
+                keys.append(key[:, tokens])
+                values.append(value[:, tokens])
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+
+    def _replace_sink(self, entry: VanillaSelfEntry, state: TagState, key: torch.Tensor, value: torch.Tensor) -> None:
+        # new run tensors, never an in-place write: a transaction's snapshot (the run lists) restores the old sink
+        seqlen = state.frame_seqlen
+        frames = key.shape[1] // seqlen
+        runs = [(0, key, value)]
+        for run_start, run_end, run_key, run_value in entry.runs(seqlen):
+            if run_end <= frames:
+                continue
+            if run_start < frames:
+                tokens = slice((frames - run_start) * seqlen, None)
+                run_key, run_value, run_start = run_key[:, tokens].clone(), run_value[:, tokens].clone(), frames
+            runs.append((run_start, run_key, run_value))
         entry.replace(runs)
 
     def _rotate_self_entry(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence
+
 import torch
 
 
@@ -30,6 +33,7 @@ class CausalRotaryTables:
         self._sin = [a.sin().repeat_interleave(2, dim=1) for a in angles]
         self._per_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._last_grid: tuple[tuple, torch.Tensor] | None = None
+        self._position_grids: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     @staticmethod
     def _inverse_frequencies(dim: int, theta: float) -> torch.Tensor:
@@ -64,6 +68,48 @@ class CausalRotaryTables:
             )
         if max(height, width) > self.max_seq_len:
             raise ValueError(f"A latent grid of {height}x{width} tokens exceeds the RoPE table ({self.max_seq_len}).")
+
+    def check_positions(self, positions: Sequence[int], height: int, width: int) -> None:
+        """Raise ``ValueError`` if any temporal position of ``positions`` or the grid falls outside the table."""
+        low, high = min(positions), max(positions)
+        if low < 0 or high >= self.max_seq_len:
+            raise ValueError(
+                f"Temporal RoPE positions [{low}, {high}] fall outside the RoPE table of {self.max_seq_len} positions "
+                "(`rope_max_seq_len`)."
+            )
+        if max(height, width) > self.max_seq_len:
+            raise ValueError(f"A latent grid of {height}x{width} tokens exceeds the RoPE table ({self.max_seq_len}).")
+
+    def at_positions(self, positions: Sequence[int], height: int, width: int, device: torch.device) -> torch.Tensor:
+        """Rotations ``(1, len(positions)*H*W, 1, D/2)`` complex64 of frames at arbitrary temporal ``positions``.
+
+        One frame per entry of ``positions``, in that order (the keys an engine returns, whose positions need not be
+        ascending or distinct); each frame's ``H x W`` tokens get its temporal position and their row and column.
+        ``self(start, F, ...)`` equals ``self.at_positions(range(start, start + F), ...)``. The last few grids are
+        memoised (every step of a chunk asks for the same).
+        """
+        positions = tuple(int(p) for p in positions)
+        self.check_positions(positions, height, width)
+        key = (positions, height, width, torch.device(device))
+        cached = self._position_grids.get(key)
+        if cached is not None:
+            self._position_grids.move_to_end(key)
+            return cached
+        cos, sin = self._tables(device)
+        frames = len(positions)
+        index = torch.tensor(positions, device=cos[0].device)
+        shapes = ((frames, 1, 1, -1), (1, height, 1, -1), (1, 1, width, -1))
+
+        def grid(tables):  # keep one of each interleaved pair, as ``__call__``
+            rows = (tables[0][index, ::2], tables[1][:height, ::2], tables[2][:width, ::2])
+            parts = [t.view(s).expand(frames, height, width, -1) for t, s in zip(rows, shapes)]
+            return torch.cat(parts, dim=-1).reshape(1, frames * height * width, 1, -1)
+
+        rotations = torch.complex(grid(cos), grid(sin)).to(torch.complex64)
+        self._position_grids[key] = rotations
+        if len(self._position_grids) > 8:
+            self._position_grids.popitem(last=False)
+        return rotations
 
     def temporal_shift(self, shift: int, device: torch.device) -> torch.Tensor:
         """Rotation ``(1, 1, 1, D/2)`` complex64 by ``shift`` temporal positions (see :meth:`__call__`).

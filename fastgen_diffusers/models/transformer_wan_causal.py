@@ -146,6 +146,10 @@ class CausalWanMixin:
         for name, engine in engines.items():
             if not isinstance(engine, BaseKVCacheEngine):
                 raise ValueError(f"Engine {name!r} must be a BaseKVCacheEngine, got {type(engine).__name__}.")
+        modes = {name: engine.rope_positions for name, engine in engines.items()}
+        if len(set(modes.values())) > 1:  # the blocks of every branch share one rotation of the call's queries
+            raise ValueError(f"Every engine of a model must use the same `rope_positions`, got {modes}.")
+        for name, engine in engines.items():
             engine.register_blocks(branches[name])
         self.kv_cache_engines = dict(engines)
 
@@ -246,6 +250,11 @@ class CausalWanMixin:
         (``window_frames``), which keeps the other distances within the window.
         """
         self.rope_rebasing = bool(enabled)
+
+    def _keys_before_rope(self) -> bool:
+        """Whether the engines store keys before RoPE (a ``rope_positions`` mode other than ``"absolute"``): then the
+        engines' positions replace the absolute frames, and re-basing never applies."""
+        return any(engine.keys_before_rope for engine in self.kv_cache_engines.values())
 
     def _rope_offset_for(self, cache_tag: str, start_frame: int, num_frames: int, height: int, width: int) -> int:
         """The RoPE offset of a call (positions are ``frame - offset``); raises if the call cannot be served.
@@ -465,13 +474,14 @@ class CausalWanMixin:
             raise ValueError(f"Latent height/width ({height}, {width}) must be divisible by the patch ({p_h}, {p_w}).")
         post_h, post_w = height // p_h, width // p_w
         self._check_context_parallel_call(post_h * post_w)
-        self._rope_offset_for(cache_tag, start_frame, num_frames // p_t, post_h, post_w)
         layout = self._call_layout(num_frames // p_t, start_frame, chunk_layout)
         if attention_window is not None and not isinstance(attention_window, AttentionWindow):
             raise ValueError(
                 f"`attention_window` must be an AttentionWindow (the call's own window) or None, got "
                 f"{type(attention_window).__name__}."
             )
+        if not self._keys_before_rope():
+            self._rope_offset_for(cache_tag, start_frame, num_frames // p_t, post_h, post_w)
         for engine in self.kv_cache_engines.values():
             engine.check_call(
                 cache_tag,
@@ -484,16 +494,30 @@ class CausalWanMixin:
                 device=hidden_states.device,
                 chunk_layout=layout,
                 attention_window=attention_window,
+                store_kv=store_kv,
             )
+            if engine.keys_before_rope:  # positions come from the engine's mode: check them against the table
+                positions = engine.key_positions(
+                    cache_tag, start_frame, num_frames // p_t, layout[0], attention_window=attention_window
+                )
+                self.rotary_tables.check_positions(positions.keys, post_h, post_w)
         return num_frames // p_t, post_h, post_w
 
     # ------------------------------------------------------------------ per-block attention inputs
-    def _attention_inputs(self, ctx: CausalContext, device: torch.device) -> dict[str, list[BlockAttentionInputs]]:
+    def _attention_inputs(
+        self, ctx: CausalContext, device: torch.device, grid: tuple[int, int] | None = None
+    ) -> dict[str, list[BlockAttentionInputs]]:
         """Per branch, one :class:`BlockAttentionInputs` per block: what each block's attention reads and writes.
 
         Decided here, once per forward and outside any compiled region: the cross K/V mode and cached entries, and for
         self-attention either the static engine's fixed buffers with this call's slots (a call at the end of the cache)
         or the visible prefix and the block-causal mask. The blocks then run pure tensor code.
+
+        Engines that store keys before RoPE also give every key attended its temporal position
+        (:meth:`~fastgen_diffusers.kv_cache.BaseKVCacheEngine.key_positions`, in the order they return the keys):
+        their rotations go on ``SelfAttentionInputs.key_rotary`` (for the static buffers one per slot, the slots
+        past the valid ones unrotated) and the call's query positions on ``ctx.query_positions``. ``grid``: the
+        post-patch ``(H', W')``.
         """
         first_chunk = ctx.chunk_layout[0]
         inputs = {}
@@ -508,6 +532,9 @@ class CausalWanMixin:
             )
             mask = None if static is not None else ctx.self_attention_mask(engine, device)
             bias = ctx.self_attention_bias(engine, device)
+            key_rotary = None
+            if engine.keys_before_rope:
+                key_rotary = self._key_rotations(engine, ctx, static, grid, device)
             store = ctx.store_kv and not ctx.committed
             per_block = []
             for block_idx in range(engine.num_blocks):
@@ -520,6 +547,7 @@ class CausalWanMixin:
                         write_index=static.write_index,
                         valid_length=static.valid_length,
                         bias=bias,
+                        key_rotary=key_rotary,
                     )
                 else:
                     load_prefix = functools.partial(
@@ -530,7 +558,9 @@ class CausalWanMixin:
                         first_chunk,
                         ctx.attention_window,
                     )
-                    self_attn = SelfAttentionInputs(mask=mask, store=store, load_prefix=load_prefix, bias=bias)
+                    self_attn = SelfAttentionInputs(
+                        mask=mask, store=store, load_prefix=load_prefix, bias=bias, key_rotary=key_rotary
+                    )
                 cross_attn = CrossAttentionInputs(mode, ctx.image_context_length)
                 if mode is CrossKVMode.READ:
                     entry = engine.get_cross_kv(block_idx, ctx.cache_tag)
@@ -539,6 +569,26 @@ class CausalWanMixin:
                 per_block.append(BlockAttentionInputs(self_attn, cross_attn, ctx.num_frames))
             inputs[name] = per_block
         return inputs
+
+    def _key_rotations(self, engine, ctx: CausalContext, static, grid, device) -> torch.Tensor:
+        """``(1, Lk, 1, D/2, 2)`` rotations of the keys ``engine`` returns for this call (static: one per buffer slot);
+        records the call's query positions on ``ctx`` (every engine must agree on them)."""
+        positions = engine.key_positions(
+            ctx.cache_tag,
+            ctx.start_frame,
+            ctx.num_frames,
+            ctx.chunk_layout[0],
+            in_place=static is not None,
+            attention_window=ctx.attention_window,
+        )
+        if ctx.query_positions is not None and ctx.query_positions != positions.queries:
+            raise ValueError("The engines of this model give the call's queries different RoPE positions.")
+        ctx.query_positions = positions.queries
+        keys = positions.keys
+        if static is not None:  # one rotation per slot of the buffers (fixed shape), identity past the valid slots
+            slots = engine.static_buffers(0, ctx.cache_tag)[0].shape[1] // ctx.frame_seqlen
+            keys = keys + (0,) * (slots - len(keys))
+        return torch.view_as_real(self.rotary_tables.at_positions(keys, *grid, device))
 
     def _run_blocks(self, blocks, hidden_states, context, timestep_proj, rotary_emb, block_inputs):
         """Run ``blocks`` in order, ``blocks[i]`` with ``block_inputs[i]`` (its :class:`BlockAttentionInputs`)."""
@@ -679,9 +729,13 @@ class CausalWanMixin:
         )
         device = hidden_states.device
         temb, timestep_proj = self._timestep_embedding(timestep, batch_size, post_f, encoder_hidden_states.dtype)
-        rope_offset = self._rope_offset_for(cache_tag, start_frame, post_f, post_h, post_w)
-        # real pairs (a view): compiled code rotates in real arithmetic, eager views them back as complex
-        rotary_emb = torch.view_as_real(self.rotary_tables(start_frame - rope_offset, post_f, post_h, post_w, device))
+        keys_before_rope = self._keys_before_rope()
+        rotary_emb = None
+        if not keys_before_rope:
+            rope_offset = self._rope_offset_for(cache_tag, start_frame, post_f, post_h, post_w)
+            # real pairs (a view): compiled code rotates in real arithmetic, eager views them back as complex
+            rotary_emb = self.rotary_tables(start_frame - rope_offset, post_f, post_h, post_w, device)
+            rotary_emb = torch.view_as_real(rotary_emb)
         image_len = self._image_token_count(encoder_hidden_states_image)
         conditioning = (encoder_hidden_states, encoder_hidden_states_image)
         # The engine operations of this forward are one transaction: a failure anywhere restores every cache.
@@ -689,7 +743,8 @@ class CausalWanMixin:
         for engine in engines:
             engine.begin_transaction(cache_tag)
         try:
-            self._rebase_rope(cache_tag, rope_offset, device)
+            if not keys_before_rope:
+                self._rebase_rope(cache_tag, rope_offset, device)
             ctx = self._prepare_context(
                 batch_size=batch_size,
                 num_frames=post_f,
@@ -705,7 +760,11 @@ class CausalWanMixin:
                 attention_window=attention_window,
                 chunk_layout=chunk_layout,
             )
-            attention_inputs = self._attention_inputs(ctx, device)
+            attention_inputs = self._attention_inputs(ctx, device, (post_h, post_w))
+            if keys_before_rope:  # the queries at the positions the engines gave the call's frames
+                rotary_emb = torch.view_as_real(
+                    self.rotary_tables.at_positions(ctx.query_positions, post_h, post_w, device)
+                )
         except BaseException:
             for engine in engines:
                 engine.rollback()

@@ -49,6 +49,12 @@ class SelfAttentionInputs:
 
     ``bias`` (either layout): an additive float mask ``(1, 1, 1, Lk)`` over all the keys attended (a per-key attention
     bias the context decided), added to the scaled logits; ``None``: no mask.
+
+    ``key_rotary`` (either layout): ``None`` (keys are held after RoPE: this call's keys are rotated like its queries,
+    by the block's ``rotary_emb``, before they are attended or stored), or the rotations of every key attended, for
+    keys held **before** RoPE: ``(1, Lk, 1, D/2, 2)`` float32 over ``[prefix | call]``, or ``(1, C, 1, D/2, 2)`` over
+    the static buffers' slots (the first ``V`` are read). The cached keys and this call's keys are then rotated at
+    read time and stored / written un-rotated; the queries keep the block's ``rotary_emb``.
     """
 
     key_cache: torch.Tensor | None = None
@@ -62,6 +68,7 @@ class SelfAttentionInputs:
     new_value: torch.Tensor | None = None
     load_prefix: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None
     bias: torch.Tensor | None = None
+    key_rotary: torch.Tensor | None = None
 
     @torch._dynamo.disable
     def load(self) -> None:
@@ -178,7 +185,8 @@ class WanCausalAttnProcessor:
     """Causal self-attention: RoPE-rotated K/V of this call attend after the cached prefix of the same branch and tag.
 
     Inside a call that spans several chunks the attention is block-causal. What the cache holds and where this
-    call's K/V go come from the block's :class:`SelfAttentionInputs` (keys are kept after ``norm_k`` and RoPE).
+    call's K/V go come from the block's :class:`SelfAttentionInputs` (keys are kept after ``norm_k`` and RoPE, or
+    before RoPE and rotated where attended when it carries ``key_rotary``).
 
     Under Ulysses context parallelism (``_parallel_config`` set by ``enable_parallelism``) ``hidden_states`` holds this
     rank's tokens of every frame: after the q/k/v projections and norms one all-to-all each turns them into the whole
@@ -211,7 +219,8 @@ class WanCausalAttnProcessor:
             num_frames = block_inputs.num_frames
             query, key, value = (sequence_to_heads(t, num_frames, cp_config) for t in (query, key, value))
         query = apply_rotary_emb(query, rotary_emb)
-        key = apply_rotary_emb(key, rotary_emb)
+        if inputs.key_rotary is None:  # keys held after RoPE; else un-rotated, rotated where attended
+            key = apply_rotary_emb(key, rotary_emb)
 
         if inputs.static:
             hidden_states = self._static_attention(query, key, value, inputs)
@@ -220,6 +229,8 @@ class WanCausalAttnProcessor:
             if inputs.key_cache is not None:
                 full_key = torch.cat([inputs.key_cache, key], dim=1)
                 full_value = torch.cat([inputs.value_cache, value], dim=1)
+            if inputs.key_rotary is not None:
+                full_key = apply_rotary_emb(full_key, inputs.key_rotary)
             if inputs.bias is not None:
                 hidden_states = masked_attention(query, full_key, full_value, inputs.bias.to(query.dtype))
             elif inputs.mask is None:
@@ -243,12 +254,13 @@ class WanCausalAttnProcessor:
         key_cache.index_copy_(1, inputs.write_index, key.to(key_cache.dtype))
         value_cache.index_copy_(1, inputs.write_index, value.to(value_cache.dtype))
         valid = inputs.valid_length.shape[0]
+        key, value = key_cache[:, :valid], value_cache[:, :valid]
+        if inputs.key_rotary is not None:  # keys held before RoPE: rotate every slot read
+            key = apply_rotary_emb(key, inputs.key_rotary[:, :valid])
         if inputs.bias is not None:
-            key, value = key_cache[:, :valid].to(query.dtype), value_cache[:, :valid].to(query.dtype)
+            key, value = key.to(query.dtype), value.to(query.dtype)
             return masked_attention(query, key, value, inputs.bias.to(query.dtype))
-        return dispatch_attention_fn(
-            query, key_cache[:, :valid], value_cache[:, :valid], backend=self._attention_backend
-        )
+        return dispatch_attention_fn(query, key, value, backend=self._attention_backend)
 
 
 class WanCausalCrossAttnProcessor:

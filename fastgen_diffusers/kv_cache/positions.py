@@ -1,0 +1,87 @@
+"""Temporal RoPE positions of the keys an engine returns: one small rule per positions mode.
+
+An engine built with ``rope_positions="absolute"`` (the default) stores self-attention keys after RoPE, rotated for
+their frame's absolute temporal position (minus any re-basing offset): nothing is rotated at read time. Any other mode
+stores keys **before** RoPE (after ``norm_k``) and the model rotates every key the attention reads at the position
+its mode gives it, and the call's queries at the positions of the call's own frames:
+
+* ``"window"`` (Reward Forcing): positions are slots of the visible window in frame order: the keys
+  ``[sink | recent frames | this call]`` sit at ``0 .. k-1``, so the sink sits right before the recent frames, the
+  call's queries at ``k - F .. k-1``, and no position ever reaches the window size (a stream never leaves the RoPE
+  table and never needs re-basing).
+* ``"anchor"`` (Rolling Forcing): every key at its absolute frame except the sink frames (the anchor), which sit
+  right before the oldest non-sink frame attended; with nothing else cached they stay where they are.
+
+A mode is a function ``(frames, window, rope_offset) -> positions``: ``frames`` are the absolute latent frames of the
+keys in the order the engine returns them (its prefix, then the call's own frames, or the static engine's slot order
+on its in-place path), the result one temporal position per frame. A new mode is one function and one
+:class:`RopePositionMode` entry in :data:`ROPE_POSITION_MODES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .window import AttentionWindow
+
+PositionRule = Callable[[Sequence[int], AttentionWindow, int], list[int]]
+
+
+def absolute_positions(frames: Sequence[int], window: AttentionWindow, rope_offset: int) -> list[int]:
+    """Every key at its frame's position, ``frame - rope_offset`` (the keys stored after RoPE are rotated so)."""
+    return [frame - rope_offset for frame in frames]
+
+
+def window_positions(frames: Sequence[int], window: AttentionWindow, rope_offset: int) -> list[int]:
+    """Every key at its rank among the attended frames in frame order (slots of ``[sink | recent | call]``)."""
+    rank = {frame: slot for slot, frame in enumerate(sorted(frames))}
+    return [rank[frame] for frame in frames]
+
+
+def anchor_positions(frames: Sequence[int], window: AttentionWindow, rope_offset: int) -> list[int]:
+    """Every key at ``frame - rope_offset``, except the sink frames (``frame < window.sink``): they are moved to sit
+    right before the oldest non-sink frame attended, in order (the anchor re-rotated to the front of the window)."""
+    sink = window.sink
+    oldest = min((frame for frame in frames if frame >= sink), default=sink)
+    return [(frame if frame >= sink else oldest - sink + frame) - rope_offset for frame in frames]
+
+
+@dataclass(frozen=True)
+class RopePositionMode:
+    """One value of an engine's ``rope_positions``.
+
+    Attributes:
+        rule: ``(frames, window, rope_offset) -> positions`` (see the module docstring).
+        keys_before_rope: whether the engine stores keys un-rotated (rotated at read time by ``rule``).
+        needs_window: whether the mode is only defined with a sliding window (``window_frames``).
+    """
+
+    rule: PositionRule
+    keys_before_rope: bool
+    needs_window: bool = False
+
+
+ROPE_POSITION_MODES: dict[str, RopePositionMode] = {
+    "absolute": RopePositionMode(absolute_positions, keys_before_rope=False),
+    "window": RopePositionMode(window_positions, keys_before_rope=True, needs_window=True),
+    "anchor": RopePositionMode(anchor_positions, keys_before_rope=True, needs_window=True),
+}
+
+
+@dataclass(frozen=True)
+class RopePositions:
+    """Temporal RoPE positions of one call (see :meth:`BaseKVCacheEngine.key_positions`).
+
+    Attributes:
+        keys: one position per key frame, in the order the engine returns the keys (``[visible prefix | call]``, or
+            the static engine's slot order on its in-place path).
+        queries: one position per frame of the call, in frame order.
+    """
+
+    keys: tuple[int, ...]
+    queries: tuple[int, ...]
+
+    @property
+    def query_start(self) -> int:
+        return self.queries[0]
