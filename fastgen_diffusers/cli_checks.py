@@ -96,7 +96,16 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 def check_kv_cache_policy(args: argparse.Namespace) -> None:
     """``--context-frames`` >= 1 and ``--kv-cache-attention-bias`` in [0.01, 1], both only with ``--kv-cache-policy
-    recompute``, which does not combine with ``--attention-window``/``--sink-frames``."""
+    recompute``, which does not combine with ``--attention-window``/``--sink-frames``; ``--kv-cache-policy rolling``
+    is text-to-video only and keeps its first chunk as the sink (no ``--sink-frames``)."""
+    if getattr(args, "kv_cache_policy", None) == "rolling":
+        if args.sink_frames is not None:
+            raise UsageError("--kv-cache-policy rolling keeps its first chunk as the sink: pass no --sink-frames.")
+        conditioned = [f"--{name.replace('_', '-')}" for name in ROLLING_REFUSED_INPUTS if getattr(args, name, None)]
+        if conditioned:
+            raise UsageError(
+                f"--kv-cache-policy rolling drives text-to-video only; it cannot be combined with {conditioned[0]}."
+            )
     recompute = getattr(args, "kv_cache_policy", None) == "recompute"
     for name in ("context_frames", "kv_cache_attention_bias"):
         if getattr(args, name, None) is not None and not recompute:
@@ -113,6 +122,10 @@ def check_kv_cache_policy(args: argparse.Namespace) -> None:
     bias = args.kv_cache_attention_bias
     if bias is not None and not (math.isfinite(bias) and 0.01 <= bias <= 1):
         raise UsageError(f"--kv-cache-attention-bias must be in [0.01, 1] (1 = off), got {bias}.")
+
+
+# conditioning inputs (image-to-video, VACE, video-to-video) that the rolling policy cannot drive
+ROLLING_REFUSED_INPUTS = ("image", "video", "control_video", "mask", "reference_image", "input_video")
 
 
 def _wants_vace(args: argparse.Namespace) -> bool:

@@ -92,7 +92,11 @@ EXPECTED = {
     "causal-forcing-framewise": {"timesteps": SF, "chunk_size": 1},
     "causal-forcing-1step": {"timesteps": (1000.0,), "chunk_size": 1, "first_chunk_timesteps": SF},
     "causal-forcing-2step": {"timesteps": (1000.0, 2500 / 3), "chunk_size": 1, "first_chunk_timesteps": SF},
-    "rolling-forcing": {"timesteps": warp_timesteps([1000, 800, 600, 400, 200], 5.0), "chunk_size": 3},
+    "rolling-forcing": {
+        "timesteps": warp_timesteps([1000, 800, 600, 400, 200], 5.0),
+        "chunk_size": 3,
+        "kv_cache_policy": "rolling",
+    },
     "reward-forcing": {"timesteps": SF, "attention_window": 9, "sink_frames": 3},
     "longlive": {"timesteps": SF, "attention_window": 12, "sink_frames": 3, "chunk_size": 3},
     "longlive-2": {

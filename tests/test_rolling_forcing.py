@@ -26,7 +26,7 @@ from fastgen_diffusers.pipelines.policy_rolling import RollingPolicy, rolling_wi
 from fastgen_diffusers.pipelines.rollout import CausalRolloutMixin
 from fastgen_diffusers.pipelines.session import RolloutSession
 from fastgen_diffusers.pipelines.sources import NoiseSource
-from fastgen_diffusers.testing import tiny_scheduler
+from fastgen_diffusers.testing import tiny_pipeline, tiny_scheduler
 
 ROLLING = Path(__file__).resolve().parent / "data" / "rolling_forcing_tiny"
 BLOCK = 3
@@ -184,3 +184,123 @@ def test_rolling_policy_with_the_transformer_matches_every_recorded_forward(refe
     assert error <= PARITY, f"final latents: max abs diff {error:.3e}"
     # the engines never hold more than the anchor and 21 frames
     assert all(engine.held_frames("pos") <= 24 for engine in model.kv_cache_engines.values())
+
+
+# ---------------------------------------------------------------- through the pipeline
+
+CALL = {"prompt": "a cat", "height": 16, "width": 16, "num_frames": 57, "num_inference_steps": 4}  # 5 chunks of 3
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipe = tiny_pipeline(0)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+class CountingForwards:
+    """Counts (and records the store flag and frame count of) the transformer forwards of a block of code."""
+
+    def __init__(self, pipe):
+        self.pipe, self.calls = pipe, []
+
+    def __enter__(self):
+        forward = self.pipe.transformer.forward
+
+        def counting(hidden_states, *args, **kwargs):
+            self.calls.append((kwargs["store_kv"], hidden_states.shape[2], kwargs.get("attention_window")))
+            return forward(hidden_states, *args, **kwargs)
+
+        self.pipe.transformer.forward = counting
+        return self
+
+    def __exit__(self, *args):
+        del self.pipe.transformer.forward
+
+
+def _latents(pipe, **kwargs):
+    call = {**CALL, "output_type": "latent", "generator": torch.Generator().manual_seed(0), **kwargs}
+    return pipe(**call).frames
+
+
+def test_pipeline_rolling_rollout_streams_and_is_engine_agnostic(pipe):
+    with CountingForwards(pipe) as counted:
+        rolling = _latents(pipe, kv_cache_policy="rolling")
+    windows = 5 + 4 - 1
+    assert len(counted.calls) == 2 * windows - 1  # a denoising forward and a commit per window, no last commit
+    assert [frames for store, frames, _ in counted.calls if not store] == [3, 6, 9, 12, 12, 9, 6, 3]
+    assert all(frames == 3 for store, frames, _ in counted.calls if store)
+    assert {window for _, _, window in counted.calls} == {AttentionWindow(21, 3), AttentionWindow(21, 0)}
+    vanilla = _latents(pipe, kv_cache_policy="rolling", kv_cache_engine="vanilla")
+    torch.testing.assert_close(rolling, vanilla, rtol=0, atol=1e-5)
+    streamed = pipe.stream(generator=torch.Generator().manual_seed(0), kv_cache_policy="rolling", output_type="latent",
+                           **CALL)  # fmt: skip
+    chunks = list(streamed)
+    assert [(c.start, c.end) for c in chunks] == [(3 * b, 3 * b + 3) for b in range(5)]
+    assert torch.equal(torch.cat([c.latents for c in chunks], dim=2), rolling)
+    assert (rolling - _latents(pipe)).abs().max().item() > 1e-3  # not the chunk-by-chunk rollout
+    # classifier-free guidance: each forward runs under both tags
+    with CountingForwards(pipe) as counted:
+        guided = _latents(pipe, kv_cache_policy="rolling", guidance_scale=3.0, negative_prompt="blur")
+    assert len(counted.calls) == 2 * (2 * windows - 1)
+    assert (guided - rolling).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"keep_cache": True}, "keep_cache"),
+        ({"recache": True, "prompt": {0: "a cat", 20: "a dog"}}, "recache"),
+        ({"prompt": {0: "a cat", 20: "a dog"}}, "prompt schedule"),
+        ({"attention_window": 21, "sink_frames": 3}, "sink_frames"),
+        ({"context_noise": 100.0}, "context_noise"),
+        ({"first_chunk_timesteps": [1000.0, 750.0]}, "first_chunk_timesteps"),
+        ({"num_frames": 33}, "at least as many chunks as denoising steps"),  # 3 chunks for 4 steps
+        ({"attention_window": 14}, "too small"),
+        ({"attention_window": 0}, "attention_window"),
+    ],
+)
+def test_bad_rolling_arguments_raise_before_any_forward(pipe, kwargs, message):
+    with CountingForwards(pipe) as counted, pytest.raises(ValueError, match=message):
+        _latents(pipe, kv_cache_policy="rolling", **kwargs)
+    assert counted.calls == []
+
+
+def test_rolling_checks_engines_it_did_not_configure(pipe):
+    from fastgen_diffusers.kv_cache import KVCacheEngine
+
+    pipe.transformer.set_kv_cache_engines({"main": KVCacheEngine()})  # absolute positions, no window
+    with CountingForwards(pipe) as counted, pytest.raises(ValueError, match="rope_positions='anchor'"):
+        _latents(pipe, kv_cache_policy="rolling", kv_cache_engine=None)
+    small = make_engines(pipe.transformer, "vanilla", window_frames=12, sink_frames=3, rope_positions="anchor")
+    pipe.transformer.set_kv_cache_engines(small)
+    with CountingForwards(pipe) as counted, pytest.raises(ValueError, match="window_frames >= 24"):
+        _latents(pipe, kv_cache_policy="rolling", kv_cache_engine=None)
+    assert counted.calls == []
+    fitting = make_engines(pipe.transformer, "vanilla", window_frames=24, sink_frames=3, rope_positions="anchor")
+    pipe.transformer.set_kv_cache_engines(fitting)
+    torch.testing.assert_close(
+        _latents(pipe, kv_cache_policy="rolling", kv_cache_engine=None), _latents(pipe, kv_cache_policy="rolling"),
+        rtol=0, atol=1e-5,
+    )  # fmt: skip
+
+
+def test_stored_rolling_policy_serves_text_to_video_only(pipe):
+    from fastgen_diffusers import WanCausalPipeline
+    from fastgen_diffusers.pipelines.options import RolloutOptions
+
+    stored = WanCausalPipeline(**{**pipe.components, "kv_cache_policy": "rolling"})
+    stored.set_progress_bar_config(disable=True)
+    assert stored.resolve_options(RolloutOptions(prompt="a")).kv_cache_policy == "rolling"
+    assert torch.equal(_latents(stored), _latents(pipe, kv_cache_policy="rolling"))
+    assert torch.equal(_latents(stored, kv_cache_policy="sequential"), _latents(pipe))
+
+    class Conditioned(WanCausalPipeline):  # a pipeline whose chunks carry conditioning (image, control, ...)
+        def prepare_conditioner(self, options, shape, batch_size, device):
+            return Conditioner()
+
+    conditioned = Conditioned(**{**pipe.components, "kv_cache_policy": "rolling"})
+    assert not conditioned.supports_rolling() and stored.supports_rolling()
+    assert conditioned.resolve_options(RolloutOptions(prompt="a")).kv_cache_policy is None  # samples sequentially
+    with pytest.raises(ValueError, match="text-to-video rollouts only"):
+        _latents(conditioned, kv_cache_policy="rolling")

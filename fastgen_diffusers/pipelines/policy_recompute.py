@@ -32,10 +32,11 @@ import torch
 
 from ..chunking import ChunkSpan
 from .policy import SequentialPolicy
+from .policy_rolling import ROLLING
 from .session import RolloutSession
 
 RECOMPUTE = "recompute"
-KV_CACHE_POLICIES = ("sequential", RECOMPUTE)
+KV_CACHE_POLICIES = ("sequential", RECOMPUTE, ROLLING)
 
 
 def check_recompute_inputs(

@@ -46,6 +46,7 @@ from .sources import NoiseSource
 
 ROLLING = "rolling"
 ROLLING_ATTENTION_FRAMES = 21  # Rolling Forcing's `max_attention_size`: 21 latent frames per forward
+ANCHOR_POSITIONS = "anchor"  # the engines' positions mode: the sink re-rotated before the oldest frame attended
 
 
 def check_rolling_inputs(
@@ -166,9 +167,17 @@ class RollingPolicy(RolloutPolicy):
 
     def check_engines(self, transformer: Any, sink: int) -> None:
         """Raise ``ValueError`` unless every engine of ``transformer`` holds what the rollout attends to
-        ([`engine_window`]): engines set by the caller (``kv_cache_engine=None``) are checked before any work."""
+        ([`engine_window`]) and positions the anchor (``rope_positions="anchor"``): engines set by the caller
+        (``kv_cache_engine=None``) are checked before any work."""
         needed = self.engine_window(sink)
         for name, engine in transformer.kv_cache_engines.items():
+            if getattr(engine, "rope_positions", "absolute") != ANCHOR_POSITIONS:
+                raise ValueError(
+                    f"`kv_cache_policy='rolling'` re-positions the anchor at every read, which needs engines built "
+                    f"with rope_positions={ANCHOR_POSITIONS!r}; engine {name!r} has "
+                    f"{getattr(engine, 'rope_positions', 'absolute')!r} (or let the pipeline configure them: "
+                    "`kv_cache_engine='static'`)."
+                )
             window = engine.window
             if window.bounded and (window.sink < sink or window.room < needed.room):
                 raise ValueError(

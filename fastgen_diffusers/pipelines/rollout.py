@@ -35,6 +35,7 @@ from .guard import exclusive_rollout, warn_discarding_kept_rollouts
 from .options import RolloutOptions
 from .policy import RolloutPolicy, SequentialPolicy
 from .policy_recompute import RECOMPUTE, RecomputePolicy, check_recompute_inputs
+from .policy_rolling import ANCHOR_POSITIONS, ROLLING, RollingPolicy, check_rolling_inputs
 from .prompts import PromptScheduleMixin
 from .records import ChunkOutput, ChunkRecord
 from .session import MAIN_BRANCH, RolloutSession, discard_branch
@@ -162,12 +163,42 @@ class CausalRolloutMixin(PromptScheduleMixin):
     def select_policy(self, options: RolloutOptions) -> RolloutPolicy:
         """The [`RolloutPolicy`] that runs a call: the pipeline's ``default_policy`` (a policy option of the call,
         e.g. a recompute or rolling-window policy, is resolved here): ``kv_cache_policy="recompute"`` gives a
-        [`RecomputePolicy`] over ``context_frames`` with ``kv_cache_attention_bias``."""
+        [`RecomputePolicy`] over ``context_frames`` with ``kv_cache_attention_bias``, ``kv_cache_policy="rolling"`` a
+        [`RollingPolicy`] attending to ``attention_window`` frames per forward."""
         # the text-to-video rollouts only (video-to-video keeps its own policy: recompute does not drive it yet)
-        if getattr(options, "kv_cache_policy", None) == RECOMPUTE and type(self.default_policy) is SequentialPolicy:
+        policy = getattr(options, "kv_cache_policy", None)
+        if policy == RECOMPUTE and type(self.default_policy) is SequentialPolicy:
             bias = 1.0 if options.kv_cache_attention_bias is None else float(options.kv_cache_attention_bias)
             return RecomputePolicy(options.context_frames, kv_cache_attention_bias=bias)
+        if policy == ROLLING and self.supports_rolling():
+            return RollingPolicy(options.attention_window)
         return self.default_policy
+
+    def supports_rolling(self) -> bool:
+        """Whether ``kv_cache_policy="rolling"`` can drive this pipeline's rollouts: text-to-video ones (chunks
+        conditioned on text alone, sampled by the sequential default policy)."""
+        return (
+            type(self).prepare_conditioner is CausalRolloutMixin.prepare_conditioner
+            and type(self.default_policy) is SequentialPolicy
+        )
+
+    def check_rolling_rollout(
+        self, options: RolloutOptions, bounds: Sequence[tuple[int, int]], num_levels: int
+    ) -> RollingPolicy | None:
+        """The [`RollingPolicy`] of a ``kv_cache_policy="rolling"`` call (``None`` for any other), once the pipeline
+        and the chunking are checked to suit it (``ValueError`` before any work otherwise)."""
+        if options.kv_cache_policy != ROLLING:
+            return None
+        if not self.supports_rolling():
+            raise ValueError(
+                f"`kv_cache_policy='rolling'` drives text-to-video rollouts only; {type(self).__name__} conditions "
+                "its chunks (use `kv_cache_policy='sequential'`)."
+            )
+        policy = RollingPolicy(options.attention_window)
+        policy.check_plan(list(bounds), num_levels)
+        if options.kv_cache_engine is None:
+            policy.check_engines(self.transformer, bounds[0][1] - bounds[0][0])
+        return policy
 
     # ------------------------------------------------------------------ the prepare template
     def resolve_options(self, options: RolloutOptions) -> RolloutOptions:
@@ -179,7 +210,8 @@ class CausalRolloutMixin(PromptScheduleMixin):
         * ``attention_window`` / ``sink_frames``: the stored ones when a ``kv_cache_engine`` is configured.
         * a ``PipelineCallback``'s ``tensor_inputs``.
         * ``kv_cache_policy`` / ``context_frames`` / ``kv_cache_attention_bias``: the stored ones, when present and
-          the call names no other policy.
+          the call names no other policy (a stored ``"rolling"`` only where the pipeline can run it, text-to-video:
+          the other pipelines sample chunk by chunk).
         """
         config = self.config
         changes: dict[str, Any] = {}
@@ -205,6 +237,8 @@ class CausalRolloutMixin(PromptScheduleMixin):
             for name in ("kv_cache_policy", "context_frames", "kv_cache_attention_bias"):
                 if hasattr(options, name) and getattr(options, name) is None and config.get(name) is not None:
                     changes[name] = config.get(name)
+            if changes.get("kv_cache_policy") == ROLLING and not self.supports_rolling():
+                del changes["kv_cache_policy"]
         return replace(options, **changes)
 
     @staticmethod
@@ -237,12 +271,21 @@ class CausalRolloutMixin(PromptScheduleMixin):
             options.kv_cache_policy, options.context_frames, options.attention_window, options.sink_frames,
             options.keep_cache, options.recache, options.kv_cache_attention_bias,
         )  # fmt: skip
+        check_rolling_inputs(
+            options.kv_cache_policy, attention_window=options.attention_window, sink_frames=options.sink_frames,
+            keep_cache=options.keep_cache, recache=options.recache, context_noise=options.context_noise,
+            first_chunk_timesteps=options.first_chunk_timesteps, prompt_schedule=prompt_schedule,
+        )  # fmt: skip
         self.check_inputs(options, shape, batch_size)
         num_latent_frames = (shape.num_frames - 1) // self.vae_scale_factor_temporal + 1
         bounds = self.rollout_chunk_bounds(num_latent_frames, options.chunk_size)
         self.check_conditioning_fits(options, bounds)
         check_window_fits_chunks(options.attention_window, options.sink_frames, bounds)
         check_prompt_schedule(self, prompt_schedule, bounds, shape.num_reference_frames)
+        num_levels = len(
+            self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)["sigmas"]
+        )
+        rolling = self.check_rolling_rollout(options, bounds, num_levels)
 
         # 2. Encode input prompt
         device = self._execution_device
@@ -278,9 +321,13 @@ class CausalRolloutMixin(PromptScheduleMixin):
         refs = shape.num_reference_frames
         switches = self.prompt_switch_chunks(prompt_switches, [(max(s - refs, 0), e - refs) for s, e in bounds])
         cache_bounds = bounds
+        cache_window, engine_options = (options.attention_window, options.sink_frames), {}
         if options.kv_cache_policy == RECOMPUTE:  # the cache never holds more than the context and one chunk
             cache_bounds = [(0, options.context_frames + max(end - start for start, end in bounds))]
-        self.configure_kv_cache(options.kv_cache_engine, options.attention_window, options.sink_frames, cache_bounds)
+        if rolling is not None:  # the anchor (first chunk) and the last frames, the anchor rotated at read time
+            window = rolling.engine_window(bounds[0][1] - bounds[0][0])
+            cache_window, engine_options = (window.frames, window.sink), {"rope_positions": ANCHOR_POSITIONS}
+        self.configure_kv_cache(options.kv_cache_engine, *cache_window, cache_bounds, **engine_options)
         session = self.open_session(
             conditioner,
             prompt_embeds,
@@ -293,7 +340,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
             keep_history=options.keep_cache or (options.recache and bool(switches)),
             num_reference_frames=refs,
         )
-        policy = self.select_policy(options)
+        policy = rolling or self.select_policy(options)
         return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
 
     def open_session(
@@ -505,9 +552,11 @@ class CausalRolloutMixin(PromptScheduleMixin):
         attention_window: int | None,
         sink_frames: int,
         chunk_bounds: Sequence[tuple[int, int]],
+        **engine_options: Any,
     ) -> None:
         """Give the transformer fresh engines of kind ``kv_cache_engine`` (``"static"`` or ``"vanilla"``) with the
-        sliding window ``attention_window`` / ``sink_frames`` (latent frames), sized for the rollout's chunks.
+        sliding window ``attention_window`` / ``sink_frames`` (latent frames), sized for the rollout's chunks, and
+        ``engine_options`` (e.g. ``rope_positions``; see [`make_engines`]).
 
         ``kv_cache_engine=None`` keeps the engines the transformer has (e.g. ones set with
         ``transformer.set_kv_cache_engines``). Called at the start of a rollout, whose caches are empty anyway.
@@ -523,6 +572,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
             window_frames=attention_window,
             sink_frames=sink_frames,
             max_frames=chunk_bounds[-1][1],
+            **engine_options,
         )
         self.transformer.set_kv_cache_engines(engines)
 
