@@ -422,3 +422,42 @@ def test_converted_krea_samples_with_recompute_by_default(wan_base, tmp_path):  
     assert recompute_positions <= 3 + chunk < max(positions) == default.shape[2]
     torch.testing.assert_close(default, explicit, rtol=0, atol=0)
     assert not torch.equal(default, sequential.frames)
+
+
+def test_converted_rolling_forcing_samples_with_the_rolling_window_by_default(wan_base, tmp_path):  # noqa: F811
+    """`convert --format rolling-forcing` stores `kv_cache_policy="rolling"`: `pipe(prompt)` denoises windows of 5
+    chunks at staggered levels (one forward per window plus its commit); a call may still ask for the sequential
+    rollout."""
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    output = tmp_path / "rolling"
+    result = convert_checkpoint(
+        write_release(tmp_path, "rolling-forcing"),
+        base=wan_base,
+        output=output,
+        format="rolling-forcing",
+        base_model_id="org/w",
+    )
+    assert "kv_cache_policy" in result.pipeline_settings and not result.pending_settings
+    assert json.loads((output / "model_index.json").read_text())["kv_cache_policy"] == "rolling"
+    pipe = WanCausalPipeline.from_pretrained(output)
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.config["kv_cache_policy"] == "rolling"
+    frames = []  # the frame count of every transformer forward
+    forward = pipe.transformer.forward
+
+    def recording(hidden_states, *args, **kwargs):
+        frames.append(hidden_states.shape[2])
+        return forward(hidden_states, *args, **kwargs)
+
+    pipe.transformer.forward = recording
+    call = {"height": 16, "width": 16, "num_frames": 57, "output_type": "latent"}  # 5 chunks, the 5 stored steps
+    try:
+        default = pipe("a cat", generator=torch.Generator().manual_seed(0), **call).frames
+        rolling_frames, frames[:] = list(frames), []
+        sequential = pipe("a cat", generator=torch.Generator().manual_seed(0), kv_cache_policy="sequential", **call)
+    finally:
+        del pipe.transformer.forward
+    assert len(rolling_frames) == 2 * (5 + 5 - 1) - 1 and max(rolling_frames) == 15  # a full window: 5 chunks
+    assert len(frames) == 5 * 5 + 4 and max(frames) == 3
+    assert not torch.equal(default, sequential.frames)
