@@ -304,3 +304,22 @@ def test_stored_rolling_policy_serves_text_to_video_only(pipe):
     assert conditioned.resolve_options(RolloutOptions(prompt="a")).kv_cache_policy is None  # samples sequentially
     with pytest.raises(ValueError, match="text-to-video rollouts only"):
         _latents(conditioned, kv_cache_policy="rolling")
+
+
+def test_rolling_callback_runs_per_window_and_interrupts(pipe):
+    """The step callback sees each window's x0 (an uneven first chunk, the anchor, of 4 frames here); an interruption
+    keeps the chunks finished so far and leaves the others at their noise."""
+    call = {"num_frames": 61, "kv_cache_policy": "rolling"}  # 16 latent frames: chunks (4, 3, 3, 3, 3)
+    whole = _latents(pipe, **call)
+    seen = []
+
+    def callback(p, step, timestep, tensors):
+        seen.append((step, round(float(timestep), 1), tensors["latents"].shape[2]))
+        p._interrupt = step == 5
+        return tensors
+
+    interrupted = _latents(pipe, callback_on_step_end=callback, **call)
+    assert seen == [(0, 1000.0, 4), (1, 937.5, 7), (2, 833.3, 10), (3, 625.0, 13), (4, 625.0, 12), (5, 625.0, 9)]
+    assert torch.equal(interrupted[:, :, :10], whole[:, :, :10])  # chunks 0-2 left their windows by window 5
+    noise = torch.randn(whole.shape, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(interrupted[:, :, 10:], noise[:, :, 10:])
