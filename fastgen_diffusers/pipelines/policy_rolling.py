@@ -30,7 +30,7 @@ engines hold what both see: a window of ``A + sink`` frames whose sink is chunk 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,8 +196,8 @@ class RollingPolicy(RolloutPolicy):
         source: NoiseSource,
         *,
         generator: torch.Generator | list[torch.Generator] | None = None,
-        callback_on_step_end=None,
-        callback_on_step_end_tensor_inputs=("latents",),
+        callback_on_step_end: Callable[..., dict[str, torch.Tensor]] | None = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
         store_last: bool = False,
         prompt_switches: Mapping[int, torch.Tensor] | None = None,
         recache: bool = False,
@@ -258,7 +258,7 @@ class RollingPolicy(RolloutPolicy):
                         pipe, session, window.index, frame_timesteps[0, 0], x0,
                         callback_on_step_end, callback_on_step_end_tensor_inputs,
                     )  # fmt: skip
-                self._renoise(x0, window, chunks, sigmas, num_levels, noisy, span, generator)
+                self._renoise(x0, window, chunks, sigmas, num_levels, noisy, generator)
                 first = chunks[0]
                 clean = x0[:, :, : first.num_frames]
                 finished = window.level(window.first) == num_levels - 1
@@ -273,7 +273,7 @@ class RollingPolicy(RolloutPolicy):
                     yield ChunkRecord(first.index, first.start, first.end, clean, is_last, context)
 
     @staticmethod
-    def _renoise(x0, window, chunks, sigmas, num_levels, noisy, span, generator) -> None:
+    def _renoise(x0, window, chunks, sigmas, num_levels, noisy, generator) -> None:
         """Re-noise every chunk of ``window`` below the last level to its next level (one draw over the window each,
         laid out ``(B, F, C, H, W)`` as Rolling Forcing draws it)."""
         batch, channels, frames, height, width = x0.shape
