@@ -266,6 +266,16 @@ def test_bad_rolling_arguments_raise_before_any_forward(pipe, kwargs, message):
     assert counted.calls == []
 
 
+def test_rolling_refuses_videos_past_the_rope_table_before_any_forward(pipe):
+    pipe.transformer.enable_rope_rebasing()
+    try:
+        with CountingForwards(pipe) as counted, pytest.raises(ValueError, match="at most 1024 latent frames"):
+            _latents(pipe, kv_cache_policy="rolling", num_frames=4 * 1026 + 1)
+    finally:
+        pipe.transformer.enable_rope_rebasing(False)
+    assert counted.calls == []
+
+
 def test_rolling_checks_engines_it_did_not_configure(pipe):
     from fastgen_diffusers.kv_cache import KVCacheEngine
 

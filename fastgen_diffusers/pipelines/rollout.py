@@ -194,6 +194,13 @@ class CausalRolloutMixin(PromptScheduleMixin):
                 f"`kv_cache_policy='rolling'` drives text-to-video rollouts only; {type(self).__name__} conditions "
                 "its chunks (use `kv_cache_policy='sequential'`)."
             )
+        table = self.transformer.config.rope_max_seq_len
+        if bounds[-1][1] > table:
+            raise ValueError(
+                f"`kv_cache_policy='rolling'` keeps absolute RoPE positions (only the anchor moves), so it serves at "
+                f"most {table} latent frames (`rope_max_seq_len`), got {bounds[-1][1]}; RoPE re-basing does not apply "
+                "to its keys, which are stored before RoPE. Ask for fewer `num_frames`."
+            )
         policy = RollingPolicy(options.attention_window)
         policy.check_plan(list(bounds), num_levels)
         if options.kv_cache_engine is None:
