@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 
 from . import __version__
-from .cli_checks import UsageError, check_generate_arguments, read_media
+from .cli_checks import POSITION_FLAGS, UsageError, check_generate_arguments, read_media
 from .cli_convert import add_convert_subparser
 from .cli_i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
 from .cli_v2v import add_input_video_arguments, input_video_kwargs, load_v2v_pipeline, strength_argument, wants_v2v
@@ -82,6 +82,21 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
         "--kv-cache-attention-bias",
         type=float,
         help="attention weight on cached frames under --kv-cache-policy recompute, in [0.01, 1] (1 = off)",
+    )
+    long_videos.add_argument(
+        "--rope-positions",
+        choices=("absolute", "window"),
+        help="temporal RoPE positions of cached keys; window (Reward Forcing) rotates them by their slot in the "
+        "window, so streams never leave the RoPE table (default: the model's stored one, else absolute)",
+    )
+    long_videos.add_argument(
+        "--sink-update",
+        choices=("fixed", "ema"),
+        help="ema (Reward Forcing) averages frames leaving the window into the sink, with --rope-positions window "
+        "(default: the model's stored one, else fixed)",
+    )
+    long_videos.add_argument(
+        "--sink-decay", type=float, help="decay of --sink-update ema, in (0, 1) (default: stored, else 0.999)"
     )
     parser.add_argument(
         "--stream", action="store_true", help="write frames to the video as chunks finish; print time to first frames"
@@ -205,7 +220,7 @@ def run_generate(args: argparse.Namespace) -> int:
         call_kwargs["strength"] = strength_argument(args)
     if args.attention_window is not None:
         call_kwargs.update(attention_window=args.attention_window, sink_frames=args.sink_frames or 0)
-    for name in ("kv_cache_policy", "context_frames", "kv_cache_attention_bias"):
+    for name in ("kv_cache_policy", "context_frames", "kv_cache_attention_bias", *POSITION_FLAGS):
         if getattr(args, name) is not None:
             call_kwargs[name] = getattr(args, name)
 

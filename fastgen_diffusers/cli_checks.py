@@ -82,6 +82,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     if not 0 <= args.seed < 2**64:
         raise UsageError(f"--seed must be in [0, 2**64), got {args.seed}.")
     check_kv_cache_policy(args)
+    check_kv_cache_positions(args)
     if args.attention_window is None:
         if args.sink_frames is not None:
             raise UsageError("--sink-frames needs --attention-window (the sink is kept inside the window).")
@@ -101,6 +102,12 @@ def check_kv_cache_policy(args: argparse.Namespace) -> None:
     if getattr(args, "kv_cache_policy", None) == "rolling":
         if args.sink_frames is not None:
             raise UsageError("--kv-cache-policy rolling keeps its first chunk as the sink: pass no --sink-frames.")
+        positions = [name for name in POSITION_FLAGS if getattr(args, name, None) is not None]
+        if positions:
+            raise UsageError(
+                f"{flag(positions[0])} cannot be combined with --kv-cache-policy rolling (it positions its keys "
+                "itself: absolute, the anchor re-rotated)."
+            )
         conditioned = [f"--{name.replace('_', '-')}" for name in ROLLING_REFUSED_INPUTS if getattr(args, name, None)]
         if conditioned:
             raise UsageError(
@@ -122,6 +129,29 @@ def check_kv_cache_policy(args: argparse.Namespace) -> None:
     bias = args.kv_cache_attention_bias
     if bias is not None and not (math.isfinite(bias) and 0.01 <= bias <= 1):
         raise UsageError(f"--kv-cache-attention-bias must be in [0.01, 1] (1 = off), got {bias}.")
+
+
+POSITION_FLAGS = ("rope_positions", "sink_update", "sink_decay")
+
+
+def check_kv_cache_positions(args: argparse.Namespace) -> None:
+    """``--sink-decay`` in (0, 1); ``--sink-update ema`` not with ``--rope-positions absolute`` nor ``--sink-frames
+    0``; none of them with ``--kv-cache-policy recompute``. What depends on the model's stored window is checked by
+    the pipeline (before any work)."""
+    given = [name for name in POSITION_FLAGS if getattr(args, name, None) is not None]
+    if given and getattr(args, "kv_cache_policy", None) == "recompute":
+        raise UsageError(f"{flag(given[0])} cannot be combined with --kv-cache-policy recompute (no sliding window).")
+    decay = getattr(args, "sink_decay", None)
+    if decay is not None and not (math.isfinite(decay) and 0 < decay < 1):
+        raise UsageError(f"--sink-decay must be in (0, 1) (exclusive), got {decay}.")
+    if getattr(args, "sink_update", None) != "ema":
+        return
+    if getattr(args, "rope_positions", None) == "absolute":
+        raise UsageError(
+            "--sink-update ema averages keys of frames at different positions: it needs --rope-positions window."
+        )
+    if args.attention_window is not None and not args.sink_frames:
+        raise UsageError("--sink-update ema averages evicted frames into the sink: give --sink-frames > 0.")
 
 
 # conditioning inputs (image-to-video, VACE, video-to-video) that the rolling policy cannot drive

@@ -36,6 +36,21 @@ def test_gpu_scale_benchmark_compiled_rows_run_in_the_tiny_cpu_mode(capsys):
         assert float(line.split("max abs diff vs eager ")[1].split()[0]) <= 1e-4
 
 
+def test_rope_window_benchmark_runs_in_its_tiny_mode(capsys):
+    """bench_rope_window: per engine, absolute and window+ema rows with ratios and equal cache bytes."""
+    path = SCRIPT.parent / "bench_rope_window.py"
+    spec = importlib.util.spec_from_file_location("bench_rope_window", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--tiny", "--chunks", "4", "--repeats", "1", "--size", "8"])
+    printed = capsys.readouterr().out
+    for kind in ("static", "vanilla"):
+        rows = [line for line in printed.splitlines() if line.startswith(f"[{kind}]")]
+        assert len(rows) == 2 and "absolute" in rows[0] and "window+ema" in rows[1]
+        assert "(ratio 1.000)" in rows[0]
+        assert rows[0].split("cache held ")[1] == rows[1].split("cache held ")[1]  # same bytes held and allocated
+
+
 def test_rolling_benchmark_runs_in_its_tiny_mode(capsys):
     script = SCRIPT.parent / "bench_rolling.py"
     spec = importlib.util.spec_from_file_location("bench_rolling", script)

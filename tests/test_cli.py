@@ -87,6 +87,31 @@ def test_generate_with_the_recompute_policy(tmp_path, capsys, monkeypatch):
     assert len(read_frames(output)) == 21
 
 
+def test_generate_streams_with_window_rope_and_an_ema_sink(tmp_path, capsys, monkeypatch):
+    """``--rope-positions window --sink-update ema --sink-decay`` reach ``stream()`` and its engines."""
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    engines = []
+    stream = WanCausalPipeline.stream
+
+    def recording(self, *args, **kwargs):
+        for record in stream(self, *args, **kwargs):
+            engines.append(self.transformer.kv_cache_engines["main"])
+            yield record
+
+    monkeypatch.setattr(WanCausalPipeline, "stream", recording)
+    output = tmp_path / "reward.mp4"
+    args = ["generate", "--prompt", "a fox", "--output", str(output), "--num-frames", "45", "--height", "32"]
+    args += ["--width", "32", "--steps", "1", "--stream", "--attention-window", "9", "--sink-frames", "3"]
+    args += ["--rope-positions", "window", "--sink-update", "ema", "--sink-decay", "0.9"]
+    assert cli.main(args) == 0
+    assert len(engines) == 4  # 12 latent frames: the window slides and the sink is updated at the fourth chunk
+    assert {(e.rope_positions, e.sink_update, e.sink_decay, e.window_frames) for e in engines} == {
+        ("window", "ema", 0.9, 9)
+    }
+    assert len(read_frames(output)) == 45
+
+
 def test_generate_with_vace_control_and_image_flags(tmp_path, capsys):
     import imageio
 

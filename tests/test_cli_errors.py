@@ -126,6 +126,11 @@ CASES = {
         2,
         "--kv-cache-policy rolling keeps its first chunk as the sink: pass no --sink-frames",
     ),
+    "rolling with positions": (
+        ["--kv-cache-policy", "rolling", "--rope-positions", "window"],
+        2,
+        "--rope-positions cannot be combined with --kv-cache-policy rolling",
+    ),
     "rolling with image": (
         ["--kv-cache-policy", "rolling", "--image", "{frame.png}"],
         2,
@@ -155,6 +160,24 @@ CASES = {
         "recompute cannot be combined with --attention-window/--sink-frames",
     ),
     "recompute with sink": (["--kv-cache-policy", "recompute", "--sink-frames", "1"], 2, "cannot be combined"),
+    "sink decay 1": (["--sink-update", "ema", "--sink-decay", "1"], 2, "--sink-decay must be in (0, 1)"),
+    "sink decay nan": (["--sink-decay", "nan"], 2, "got nan"),
+    "ema with absolute": (
+        ["--sink-update", "ema", "--rope-positions", "absolute"],
+        2,
+        "needs --rope-positions window",
+    ),
+    "ema without sink": (
+        ["--sink-update", "ema", "--attention-window", "9", "--sink-frames", "0"],
+        2,
+        "give --sink-frames > 0",
+    ),
+    "rope with recompute": (
+        ["--kv-cache-policy", "recompute", "--rope-positions", "window"],
+        2,
+        "--rope-positions cannot be combined with --kv-cache-policy recompute",
+    ),
+    "unknown rope positions": (["--rope-positions", "slot"], 2, "invalid choice: 'slot'"),
     "missing prompt": ([], 2, "the following arguments are required: --prompt"),  # GEN without --prompt, below
     "unknown dtype": (["--dtype", "float64"], 2, "argument --dtype: invalid choice: 'float64'"),
     "missing image": (["--image", "nope.png"], 2, "--image nope.png: no such file"),

@@ -97,7 +97,14 @@ EXPECTED = {
         "chunk_size": 3,
         "kv_cache_policy": "rolling",
     },
-    "reward-forcing": {"timesteps": SF, "attention_window": 9, "sink_frames": 3},
+    "reward-forcing": {
+        "timesteps": SF,
+        "attention_window": 9,
+        "sink_frames": 3,
+        "rope_positions": "window",
+        "sink_update": "ema",
+        "sink_decay": 0.999,
+    },
     "longlive": {"timesteps": SF, "attention_window": 12, "sink_frames": 3, "chunk_size": 3},
     "longlive-2": {
         "timesteps": (1000.0, 937.0, 833.0, 625.0),
@@ -422,6 +429,36 @@ def test_converted_krea_samples_with_recompute_by_default(wan_base, tmp_path):  
     assert recompute_positions <= 3 + chunk < max(positions) == default.shape[2]
     torch.testing.assert_close(default, explicit, rtol=0, atol=0)
     assert not torch.equal(default, sequential.frames)
+
+
+def test_converted_reward_forcing_samples_with_window_rope_and_ema_sink_by_default(wan_base, tmp_path):  # noqa: F811
+    """`convert --format reward-forcing` stores window-relative RoPE and the EMA sink (decay 0.999) in
+    model_index.json: `pipe(prompt)` builds engines with them, equal to naming them in the call, and a call may go back
+    to absolute positions and a fixed sink."""
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    output = tmp_path / "reward"
+    result = convert_checkpoint(
+        write_release(tmp_path, "reward-forcing"), base=wan_base, output=output, format="reward-forcing",
+        base_model_id="org/w",
+    )  # fmt: skip
+    stored = {"rope_positions": "window", "sink_update": "ema", "sink_decay": 0.999}
+    assert set(stored) <= set(result.pipeline_settings) and not result.pending_settings
+    model_index = json.loads((output / "model_index.json").read_text())
+    assert {key: model_index[key] for key in stored} == stored
+    pipe = WanCausalPipeline.from_pretrained(output)
+    pipe.set_progress_bar_config(disable=True)
+    call = {"height": 16, "width": 16, "num_frames": 69, "num_inference_steps": 1, "output_type": "latent"}
+    default = pipe("a cat", generator=torch.Generator().manual_seed(0), **call).frames  # 6 chunks of 3 latent frames
+    engine = pipe.transformer.kv_cache_engines["main"]
+    assert (engine.rope_positions, engine.sink_update, engine.sink_decay) == ("window", "ema", 0.999)
+    explicit = pipe("a cat", generator=torch.Generator().manual_seed(0), **stored, **call).frames
+    torch.testing.assert_close(default, explicit, rtol=0, atol=0)
+    absolute = pipe(
+        "a cat", generator=torch.Generator().manual_seed(0), rope_positions="absolute", sink_update="fixed", **call
+    ).frames
+    assert pipe.transformer.kv_cache_engines["main"].rope_positions == "absolute"
+    assert not torch.equal(default, absolute)
 
 
 def test_converted_rolling_forcing_samples_with_the_rolling_window_by_default(wan_base, tmp_path):  # noqa: F811

@@ -268,6 +268,49 @@ def test_free_running_reward_forcing_reaches_the_recorded_final_latents(reward):
 
 
 @pytest.mark.parametrize("kind", ["static", "vanilla"])
+def test_the_pipeline_reaches_the_recorded_final_latents(reward, monkeypatch, kind):
+    """``WanCausalPipeline`` with the recorded noise, timesteps, prompt embeddings and Reward Forcing's cache options,
+    its scheduler's re-noise draws replaced by the recorded ones (upstream draws them from the global RNG, in
+    another layout): the 30 final latent frames of ``main`` match the recording."""
+    import diffusers.schedulers.scheduling_flow_match_euler_discrete as scheduler_module
+
+    from fastgen_diffusers import WanCausalPipeline
+    from fastgen_diffusers.testing import tiny_scheduler, tiny_vae
+
+    meta, inputs, outputs = reward
+    num_chunks = meta["variants"]["main"]["num_chunks"]
+    draws = []  # the scheduler draws once per step; the last step's draw is scaled by sigma 0
+    for chunk in range(num_chunks):
+        draws += [model_layout(inputs[f"main.chunk{chunk}.step{step}.renoise_noise"]) for step in range(3)] + [None]
+
+    def recorded(shape, generator=None, device=None, dtype=None, layout=None):
+        eps = draws.pop(0)
+        return torch.zeros(shape, dtype=dtype) if eps is None else eps.to(dtype)
+
+    monkeypatch.setattr(scheduler_module, "randn_tensor", recorded)
+    transformer = WanCausalTransformer3DModel.from_pretrained(REWARD / "transformer", chunk_size=BLOCK).eval()
+    pipe = WanCausalPipeline(None, None, tiny_vae(), tiny_scheduler(), transformer)
+    pipe.set_progress_bar_config(disable=True)
+    latents = pipe(
+        prompt_embeds=inputs["prompt_embeds"],
+        latents=model_layout(inputs["main.noise"]),
+        num_frames=4 * (BLOCK * num_chunks - 1) + 1,
+        height=64,
+        width=64,
+        timesteps=meta["denoising_step_list_used"],
+        attention_window=9,
+        sink_frames=3,
+        rope_positions="window",
+        sink_update="ema",
+        sink_decay=meta["variants"]["main"]["sink_decay"],
+        kv_cache_engine=kind,
+        output_type="latent",
+    ).frames
+    assert not draws
+    assert_close(latents, model_layout(outputs["main.final_latents"]), PARITY, "pipeline final latents")
+
+
+@pytest.mark.parametrize("kind", ["static", "vanilla"])
 @torch.no_grad()
 def test_absolute_positions_and_a_fixed_sink_replay_only_until_the_window_slides(reward, kind):
     """Today's default cache (absolute RoPE, fixed sink) matches chunks 0-2 and not chunk 3: the recording tells

@@ -33,6 +33,9 @@ _SETTING_DOCS = {
     "kv_cache_policy": "KV cache policy",
     "context_frames": "context frames re-encoded per chunk",
     "kv_cache_attention_bias": "attention bias on cached frames (factor)",
+    "rope_positions": "temporal RoPE positions of cached keys",
+    "sink_update": "sink update",
+    "sink_decay": "decay of the EMA sink",
 }
 
 
@@ -59,7 +62,7 @@ def _value(value) -> str:
 # The stored settings a `pipe(...)` call takes as arguments, in the order the card spells them out.
 _CALL_DEFAULTS = (
     "timesteps", "context_noise", "first_chunk_timesteps", "attention_window", "sink_frames", "kv_cache_policy",
-    "context_frames", "kv_cache_attention_bias",
+    "context_frames", "kv_cache_attention_bias", "rope_positions", "sink_update", "sink_decay",
 )  # fmt: skip
 
 

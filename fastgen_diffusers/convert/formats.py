@@ -57,6 +57,10 @@ class SamplingSettings:
         context_frames: Latent frames the recompute policy re-encodes (Krea's ``kv_cache_num_frames``).
         kv_cache_attention_bias: Attention weight on cached frames, as a factor (Krea: 0.3, i.e. ``log(0.3)`` added
             to the logits); 1.0 is no bias.
+        rope_positions: Temporal RoPE positions of the cached keys: ``"absolute"`` or ``"window"`` (Reward Forcing:
+            keys cached before RoPE and rotated by their slot in the window).
+        sink_update: ``"fixed"`` or ``"ema"`` (Reward Forcing: frames leaving the window are averaged into the sink).
+        sink_decay: The EMA's decay (Reward Forcing's ``compression_alpha``, 0.999).
     """
 
     timesteps: tuple[float, ...]
@@ -70,6 +74,10 @@ class SamplingSettings:
     kv_cache_policy: str = "sequential"
     context_frames: int | None = None
     kv_cache_attention_bias: float = 1.0
+    # window-relative RoPE and EMA sink (Reward Forcing)
+    rope_positions: str = "absolute"
+    sink_update: str = "fixed"
+    sink_decay: float = 0.999
 
     def __post_init__(self):
         object.__setattr__(self, "timesteps", _timesteps(self.timesteps, "timesteps"))
@@ -105,6 +113,18 @@ class SamplingSettings:
             )
         if not 0 < self.kv_cache_attention_bias <= 1:
             raise ValueError(f"`kv_cache_attention_bias` must be in (0, 1], got {self.kv_cache_attention_bias}.")
+        # the engines' rule (kv_cache.base.check_rope_and_sink_settings), restated: this table imports no torch
+        if self.rope_positions not in ("absolute", "window") or self.sink_update not in ("fixed", "ema"):
+            raise ValueError(
+                f"`rope_positions` must be 'absolute' or 'window' and `sink_update` 'fixed' or 'ema', got "
+                f"{self.rope_positions!r} and {self.sink_update!r}."
+            )
+        if self.rope_positions == "window" and self.attention_window is None:
+            raise ValueError("`rope_positions='window'` needs an `attention_window`.")
+        if self.sink_update == "ema" and (not self.sink_frames or self.rope_positions != "window"):
+            raise ValueError("`sink_update='ema'` needs `sink_frames` > 0 and `rope_positions='window'`.")
+        if not 0 < self.sink_decay < 1:
+            raise ValueError(f"`sink_decay` must be in (0, 1), got {self.sink_decay}.")
 
     @property
     def num_inference_steps(self) -> int:
@@ -307,8 +327,18 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         "JaydenLyh/Reward-Forcing",
         ("rewardforcing.pt",),
         _ORIGINAL_CONTAINERS,
-        # configs/reward_forcing.yaml: warped [1000, 750, 500, 250], local_attn_size 9, sink_size 3.
-        SamplingSettings(timesteps=_SF_STEPS, shift=5.0, attention_window=9, sink_frames=3),
+        # configs/reward_forcing.yaml: warped [1000, 750, 500, 250], local_attn_size 9, sink_size 3; its
+        # CausalWanSelfAttention caches keys before RoPE, ropes them by slot in the window and averages evicted
+        # frames into the sink (compression_alpha 0.999): tests/data/reward_forcing_tiny.
+        SamplingSettings(
+            timesteps=_SF_STEPS,
+            shift=5.0,
+            attention_window=9,
+            sink_frames=3,
+            rope_positions="window",
+            sink_update="ema",
+            sink_decay=0.999,
+        ),
         _reward_forcing,
     ),
     StudentFormat(

@@ -106,6 +106,44 @@ def check_rope_and_sink_settings(
     return mode
 
 
+def check_ema_eviction(
+    window: AttentionWindow, start_frame: int, chunk_layout: Sequence[int], evicted_before: int, store_kv: bool
+) -> int:
+    """Raise ``ValueError`` unless the EMA sink can take what a call evicts; returns the new ``evicted_before``.
+
+    ``sink_update="ema"`` folds the frames a call evicts when it begins into the sink frame by frame, so every
+    eviction must remove exactly ``sink`` frames (Reward Forcing: chunks of the sink's size), and a store of several
+    chunks must not evict more when it ends. A different count is refused rather than guessed (Reward Forcing's code
+    would copy the evicted frames over the sink then, a case its released setting never reaches).
+    """
+    _, recent_start = window.visible(start_frame, chunk_layout[0])
+    first = max(window.sink, evicted_before)
+    evicted = recent_start - first
+    if 0 < evicted != window.sink:
+        raise ValueError(
+            f"`sink_update='ema'` folds the frames leaving the window into the sink frame by frame, so every eviction "
+            f"must remove exactly sink_frames={window.sink} frames; the chunk at latent frame {start_frame} evicts "
+            f"{evicted} (frames [{first}, {recent_start})). Use chunks of {window.sink} frames (a latent frame count "
+            "that is a multiple of them, so that no chunk absorbs a remainder) with the window minus the sink a "
+            "multiple of them (Reward Forcing: chunks of 3, window 9, sink 3), or sink_update='fixed'."
+        )
+    end_frame = start_frame + sum(chunk_layout)
+    if store_kv and len(chunk_layout) > 1 and window.recent_start(end_frame) > max(first, recent_start):
+        raise ValueError(
+            f"`sink_update='ema'` updates the sink when a call begins; a store of several chunks "
+            f"({tuple(chunk_layout)} frames at latent frame {start_frame}) would evict more frames when it ends. "
+            "Store one chunk per call once the window slides, or use sink_update='fixed'."
+        )
+    return max(evicted_before, recent_start)
+
+
+def check_ema_chunks(window: AttentionWindow, chunk_bounds: Sequence[tuple[int, int]]) -> None:
+    """:func:`check_ema_eviction` for a rollout of one-chunk calls ``chunk_bounds`` (checked before any work)."""
+    evicted_before = 0
+    for start, end in chunk_bounds:
+        evicted_before = check_ema_eviction(window, start, (end - start,), evicted_before, store_kv=True)
+
+
 @dataclass
 class Transaction:
     """What one forward may change of ``cache_tag``, as it was before the forward (see
@@ -288,30 +326,11 @@ class BaseKVCacheEngine:
                 )
 
     def _check_ema_call(self, cache_tag: str, start_frame: int, chunk_layout: Sequence[int], store_kv: bool) -> None:
-        """The EMA sink folds the frames a call evicts into the sink frame by frame, so every eviction must remove
-        exactly ``sink_frames`` frames (Reward Forcing: chunks of the sink's size) and happen when a call begins."""
+        """The EMA sink folds the frames a call evicts into the sink frame by frame (:meth:`begin_call`)."""
         state = self._tags.get(cache_tag)
         if state is None or state.recaching:
             return
-        window = self.window
-        _, recent_start = window.visible(start_frame, chunk_layout[0])
-        first = max(window.sink, state.evicted_before)
-        evicted = recent_start - first
-        if 0 < evicted != window.sink:
-            raise ValueError(
-                f"`sink_update='ema'` folds the frames leaving the window into the sink frame by frame, so every "
-                f"eviction must remove exactly sink_frames={window.sink} frames; the call at start_frame="
-                f"{start_frame} evicts {evicted} (frames [{first}, {recent_start})). Use chunks of {window.sink} "
-                f"frames with `window_frames - sink_frames` a multiple of them (Reward Forcing: chunks of 3, "
-                "window 9, sink 3), or sink_update='fixed'."
-            )
-        end_frame = start_frame + sum(chunk_layout)
-        if store_kv and len(chunk_layout) > 1 and window.recent_start(end_frame) > max(first, recent_start):
-            raise ValueError(
-                f"`sink_update='ema'` updates the sink when a call begins; a store of several chunks "
-                f"({tuple(chunk_layout)} frames at start_frame={start_frame}) would evict more frames when it ends. "
-                "Store one chunk per call once the window slides, or use sink_update='fixed'."
-            )
+        check_ema_eviction(self.window, start_frame, tuple(chunk_layout), state.evicted_before, store_kv)
 
     def visible_window(self, start_frame: int, first_chunk_frames: int) -> tuple[int, int]:
         """``(sink_end, recent_start)``: the cached frames a call's first chunk attends to are ``[0, sink_end)`` and

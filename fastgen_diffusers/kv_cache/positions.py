@@ -55,16 +55,19 @@ class RopePositionMode:
         rule: ``(frames, window, rope_offset) -> positions`` (see the module docstring).
         keys_before_rope: whether the engine stores keys un-rotated (rotated at read time by ``rule``).
         needs_window: whether the mode is only defined with a sliding window (``window_frames``).
+        bounded: whether every position stays below the window size, so that a stream of any length stays inside
+            the RoPE table (no re-basing, no limit on the video's length).
     """
 
     rule: PositionRule
     keys_before_rope: bool
     needs_window: bool = False
+    bounded: bool = False
 
 
 ROPE_POSITION_MODES: dict[str, RopePositionMode] = {
     "absolute": RopePositionMode(absolute_positions, keys_before_rope=False),
-    "window": RopePositionMode(window_positions, keys_before_rope=True, needs_window=True),
+    "window": RopePositionMode(window_positions, keys_before_rope=True, needs_window=True, bounded=True),
     "anchor": RopePositionMode(anchor_positions, keys_before_rope=True, needs_window=True),
 }
 

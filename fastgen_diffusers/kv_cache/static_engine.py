@@ -10,8 +10,9 @@ to the view ``buffer[:, :visible]``:
 * with a window, once the video is longer than the window, the view is the whole buffer: the sink plus the ring,
   which then holds exactly the frames the chunk attends to (its own frames and the most recent others). The ring
   order is not frame order, which attention over keys without a mask does not see (keys carry their RoPE
-  positions). Calls that need a mask (several chunks) or that start before the end of the cache gather the prefix
-  in frame order and concatenate, as the vanilla engine does.
+  positions; keys stored before RoPE are rotated at read time by slot, in the ring's order:
+  :meth:`~BaseKVCacheEngine.key_positions` with ``in_place=True``). Calls that need a mask (several chunks) or that
+  start before the end of the cache gather the prefix in frame order and concatenate, as the vanilla engine does.
 
 So a rollout allocates nothing per step and, with a window, every call attends to views of one shape, which is what
 ``torch.compile`` / CUDA graph capture need. Calls with gradients (training) take the concatenating path, since an

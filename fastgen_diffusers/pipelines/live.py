@@ -28,6 +28,7 @@ from diffusers.utils import logging
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..chunking import ChunkPlan, chunk_bounds, chunk_layout
+from ..kv_cache import ROPE_POSITION_MODES
 from ..parallel import is_main_process
 from .guard import BranchCheckpoint, exclusive_rollout
 from .records import ChunkRecord, RolloutChunk, StreamChunk
@@ -270,7 +271,10 @@ class LiveRolloutMixin(CausalRolloutMixin):
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
         config = self.transformer.config
-        if bounds[-1][1] > config.rope_max_seq_len and not getattr(self.transformer, "rope_rebasing", False):
+        engines = self.transformer.kv_cache_engines.values()
+        bounded = all(ROPE_POSITION_MODES[engine.rope_positions].bounded for engine in engines)  # window positions
+        rebasing = getattr(self.transformer, "rope_rebasing", False)
+        if bounds[-1][1] > config.rope_max_seq_len and not rebasing and not bounded:
             raise ValueError(
                 f"Continuing to latent frame {bounds[-1][1]} runs past the RoPE table of {config.rope_max_seq_len} "
                 "frames; call `pipe.transformer.enable_rope_rebasing()` (with an `attention_window`) to go on."

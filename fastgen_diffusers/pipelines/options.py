@@ -50,6 +50,10 @@ class RolloutOptions:
     kv_cache_policy: str | None = None
     context_frames: int | None = None
     kv_cache_attention_bias: float | None = None
+    # window-relative RoPE and EMA sink (Reward Forcing)
+    rope_positions: str | None = None
+    sink_update: str | None = None
+    sink_decay: float | None = None
 
 
 @dataclass(kw_only=True)

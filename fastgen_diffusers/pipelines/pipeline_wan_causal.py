@@ -150,6 +150,12 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             Stored default clean frames the recompute policy re-encodes before each chunk.
         kv_cache_attention_bias (`float`, *optional*):
             Stored default attention weight on cached frames under the recompute policy (Krea: 0.3).
+        rope_positions (`str`, defaults to `"absolute"`):
+            Stored default temporal RoPE positions of the cached keys (`"window"`: Reward Forcing's).
+        sink_update (`str`, defaults to `"fixed"`):
+            Stored default sink update (`"ema"`: Reward Forcing's).
+        sink_decay (`float`, defaults to `0.999`):
+            Stored default decay of the EMA sink.
 
     A pipeline runs one rollout at a time: its KV caches live in the transformer. A call while a `stream()` of the same
     pipeline (or of one sharing its transformer) is open, or from a second thread while one runs, raises a
@@ -175,6 +181,10 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         kv_cache_policy: str | None = None,
         context_frames: int | None = None,
         kv_cache_attention_bias: float | None = None,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str = "absolute",
+        sink_update: str = "fixed",
+        sink_decay: float = 0.999,
     ):
         super().__init__()
         if transformer is not None and not isinstance(transformer, self._transformer_class):
@@ -197,6 +207,9 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             kv_cache_policy=kv_cache_policy,
             context_frames=context_frames,
             kv_cache_attention_bias=kv_cache_attention_bias,
+            rope_positions=rope_positions,
+            sink_update=sink_update,
+            sink_decay=sink_decay,
         )
         self._init_rollout_state()
         self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal if getattr(self, "vae", None) else 4
@@ -296,6 +309,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             o.sigmas,
             o.context_noise,
             o.first_chunk_timesteps,
+            rope_positions=o.rope_positions,
         )
 
         if prompt is not None and prompt_embeds is not None:
@@ -405,6 +419,10 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         kv_cache_policy: str | None = None,
         context_frames: int | None = None,
         kv_cache_attention_bias: float | None = None,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str | None = None,
+        sink_update: str | None = None,
+        sink_decay: float | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -511,6 +529,18 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             kv_cache_attention_bias (`float`, *optional*):
                 Krea's / scope's attention bias in [0.01, 1] (recompute only): the denoising forwards add `log(bias)`
                 to the logits of the cached keys except the first (anchor) frame; 1 (default) adds no mask at all.
+            rope_positions (`str`, *optional*):
+                Temporal RoPE positions of the cached keys: `"absolute"` (each frame at its own position; keys cached
+                after RoPE) or `"window"` (Reward Forcing: keys cached before RoPE and rotated by their slot in
+                `[sink | recent frames | chunk]`, so positions stay below `attention_window` and a stream never
+                leaves the RoPE table; needs `attention_window`). Defaults to the pipeline's stored `rope_positions`
+                (`"absolute"`).
+            sink_update (`str`, *optional*):
+                `"fixed"` (the sink keeps its first K/V) or `"ema"` (Reward Forcing: when frames leave the window,
+                `sink = sink_decay * sink + (1 - sink_decay) * evicted`, per block, K and V; needs `sink_frames`,
+                `rope_positions="window"` and chunks of `sink_frames` frames). Defaults to the stored one (`"fixed"`).
+            sink_decay (`float`, *optional*):
+                The EMA's decay in (0, 1); defaults to the stored one (0.999, Reward Forcing's).
 
         Examples:
 
@@ -552,5 +582,8 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 kv_cache_policy=kv_cache_policy,
                 context_frames=context_frames,
                 kv_cache_attention_bias=kv_cache_attention_bias,
+                rope_positions=rope_positions,
+                sink_update=sink_update,
+                sink_decay=sink_decay,
             )
         )

@@ -167,10 +167,15 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         kv_cache_policy: str | None = None,
         context_frames: int | None = None,
         kv_cache_attention_bias: float | None = None,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str = "absolute",
+        sink_update: str = "fixed",
+        sink_decay: float = 0.999,
     ):
         super().__init__(
             tokenizer, text_encoder, vae, scheduler, transformer, timesteps, context_noise, first_chunk_timesteps,
             attention_window, sink_frames, kv_cache_policy, context_frames, kv_cache_attention_bias,
+            rope_positions, sink_update, sink_decay,
         )  # fmt: skip
         self.register_modules(image_processor=image_processor, image_encoder=image_encoder)
         self.register_to_config(expand_timesteps=expand_timesteps)
@@ -436,6 +441,10 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
         num_videos_per_prompt: int = 1,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str | None = None,
+        sink_update: str | None = None,
+        sink_decay: float | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -518,6 +527,8 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             num_videos_per_prompt (`int`, defaults to `1`):
                 Videos per prompt, as in diffusers: the prompts (and their embeddings) are repeated, so `latents` and a
                 list of `generator`s cover `batch * num_videos_per_prompt` videos.
+            rope_positions, sink_update, sink_decay:
+                Window-relative RoPE and the EMA sink, as in [`WanCausalPipeline.__call__`].
 
         Examples:
 
@@ -558,5 +569,8 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 sink_frames=sink_frames,
                 kv_cache_engine=kv_cache_engine,
                 num_videos_per_prompt=num_videos_per_prompt,
+                rope_positions=rope_positions,
+                sink_update=sink_update,
+                sink_decay=sink_decay,
             )
         )

@@ -36,7 +36,13 @@ from .conditioning import Conditioner
 from .options import RolloutOptions
 from .pipeline_wan_causal import WanCausalPipeline
 from .policy_v2v import VideoChunkPlan, VideoToVideoPolicy
-from .rollout import RolloutRun, RolloutShape, check_window_fits_chunks
+from .rollout import (
+    RolloutRun,
+    RolloutShape,
+    check_sink_update_fits_chunks,
+    check_window_fits_chunks,
+    kv_cache_position_options,
+)
 from .streaming_encode import StreamingWanEncoder
 from .strength import StrengthInput, StrengthSchedule
 from .video_latents import VideoToVideoSource
@@ -172,11 +178,18 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         known = chunker.num_chunks is not None
         num_frames = chunker.num_used_frames if known else chunker.chunk_num_frames(0)
         shape = RolloutShape(chunker.height, chunker.width, num_frames)
-        self.check_kv_cache_inputs(options.kv_cache_engine, options.attention_window, options.sink_frames)
+        self.check_kv_cache_inputs(
+            options.kv_cache_engine,
+            options.attention_window,
+            options.sink_frames,
+            **kv_cache_position_options(options),
+        )
         self.check_inputs(replace(options, latents=None, num_frames=num_frames), shape, batch_size)
         self.check_noise(options.latents, shape, batch_size, known)
         bounds = self.video_chunk_bounds(chunker, max(prompt_schedule, default=0))
         check_window_fits_chunks(options.attention_window, options.sink_frames, bounds)
+        if known:
+            check_sink_update_fits_chunks(options.attention_window, options.sink_frames, options.sink_update, bounds)
 
         # 2. Encode input prompt
         device = self._execution_device
@@ -204,7 +217,11 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
 
         # 4. Fresh KV-cache engines (sized for a list; a static engine grows for a live video) and the session
         self.configure_kv_cache(
-            options.kv_cache_engine, options.attention_window, options.sink_frames, bounds if known else bounds[:1]
+            options.kv_cache_engine,
+            options.attention_window,
+            options.sink_frames,
+            bounds if known else bounds[:1],
+            **kv_cache_position_options(options),
         )
         session = self.open_session(
             Conditioner(),
@@ -262,6 +279,10 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         attention_window: int | None = None,
         sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str | None = None,
+        sink_update: str | None = None,
+        sink_decay: float | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for video-to-video generation.
@@ -295,6 +316,8 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 As in [`WanCausalPipeline.__call__`], except `num_frames` (the video's length decides),
                 `num_videos_per_prompt` and `keep_cache` (a restyled input cannot be continued), which this pipeline
                 does not take.
+            rope_positions, sink_update, sink_decay:
+                Window-relative RoPE and the EMA sink, as in [`WanCausalPipeline.__call__`].
 
         Examples:
 
@@ -331,5 +354,8 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 attention_window=attention_window,
                 sink_frames=sink_frames,
                 kv_cache_engine=kv_cache_engine,
+                rope_positions=rope_positions,
+                sink_update=sink_update,
+                sink_decay=sink_decay,
             )
         )

@@ -69,10 +69,15 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         kv_cache_policy: str | None = None,
         context_frames: int | None = None,
         kv_cache_attention_bias: float | None = None,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str = "absolute",
+        sink_update: str = "fixed",
+        sink_decay: float = 0.999,
     ):
         super().__init__(
             tokenizer, text_encoder, vae, scheduler, transformer, timesteps, context_noise, first_chunk_timesteps,
             attention_window, sink_frames, kv_cache_policy, context_frames, kv_cache_attention_bias,
+            rope_positions, sink_update, sink_decay,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ loading
@@ -261,6 +266,10 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         sink_frames: int | None = None,
         kv_cache_engine: str | None = "static",
         num_videos_per_prompt: int = 1,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str | None = None,
+        sink_update: str | None = None,
+        sink_decay: float | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         Generate a video steered by a control video, its mask and reference images.
@@ -286,6 +295,8 @@ class WanCausalVACEPipeline(WanCausalPipeline):
                 The KV-cache engines of both branches ("main" and "vace"), as in [`WanCausalPipeline.__call__`].
             num_videos_per_prompt (`int`, defaults to `1`):
                 Videos per prompt, as in [`WanCausalPipeline.__call__`]; the control inputs are shared.
+            rope_positions, sink_update, sink_decay:
+                Window-relative RoPE and the EMA sink, as in [`WanCausalPipeline.__call__`].
 
         Returns:
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`, as [`WanCausalPipeline`].
@@ -326,5 +337,8 @@ class WanCausalVACEPipeline(WanCausalPipeline):
                 sink_frames=sink_frames,
                 kv_cache_engine=kv_cache_engine,
                 num_videos_per_prompt=num_videos_per_prompt,
+                rope_positions=rope_positions,
+                sink_update=sink_update,
+                sink_decay=sink_decay,
             )
         )

@@ -59,6 +59,8 @@ def check_rolling_inputs(
     context_noise: float | None,
     first_chunk_timesteps: Any,
     prompt_schedule: Mapping[int, Any] | None,
+    rope_positions: str | None = None,
+    sink_update: str | None = None,
 ) -> None:
     """Raise ``ValueError`` for options the rolling policy cannot serve (before any work); nothing when
     ``kv_cache_policy`` is not ``"rolling"``."""
@@ -77,6 +79,12 @@ def check_rolling_inputs(
         )
     if sink_frames:
         raise ValueError(f"{name} keeps its first chunk as the sink (the anchor): pass no `sink_frames`.")
+    if rope_positions is not None or sink_update not in (None, "fixed"):
+        raise ValueError(
+            f"{name} positions its keys itself (absolute, the anchor rotated before the oldest frame attended: "
+            f"rope_positions={ANCHOR_POSITIONS!r}) and keeps a fixed anchor: pass no `rope_positions` / "
+            f"`sink_update`, got {rope_positions!r} / {sink_update!r}."
+        )
     if context_noise:
         raise ValueError(
             f"{name} commits each chunk clean at timestep 0 (Rolling Forcing's context_noise 0): `context_noise` must "

@@ -27,7 +27,8 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import get_module_execution_device
 
 from ..chunking import ChunkPlan, chunk_bounds, chunk_layout
-from ..kv_cache import ENGINE_KINDS, AttentionWindow, make_engines
+from ..kv_cache import ENGINE_KINDS, ROPE_POSITION_MODES, AttentionWindow, make_engines
+from ..kv_cache.base import check_ema_chunks, check_rope_and_sink_settings
 from ..parallel import is_main_process
 from .arguments import check_prompt_schedule, prepare_call_options
 from .conditioning import Conditioner
@@ -51,7 +52,20 @@ __all__ = [
     "RolloutRun",
     "RolloutShape",
     "check_window_fits_chunks",
+    "kv_cache_position_options",
 ]
+
+# window-relative RoPE and EMA sink (Reward Forcing): the engine options a call may set, and their defaults
+KV_CACHE_POSITION_DEFAULTS = {"rope_positions": "absolute", "sink_update": "fixed", "sink_decay": 0.999}
+
+
+def kv_cache_position_options(options: Any) -> dict[str, Any]:
+    """The call's ``rope_positions`` / ``sink_update`` / ``sink_decay`` (resolved: defaults where still ``None``),
+    as engine keyword arguments."""
+    return {
+        name: default if getattr(options, name, None) is None else getattr(options, name)
+        for name, default in KV_CACHE_POSITION_DEFAULTS.items()
+    }
 
 
 def check_window_fits_chunks(
@@ -63,6 +77,15 @@ def check_window_fits_chunks(
     fit the window beside the sink (a chunk inside the sink, e.g. ``[0, 3)`` with sink 3 and window 4, fits).
     """
     AttentionWindow(attention_window, sink_frames).check_chunks(chunk_bounds)
+
+
+def check_sink_update_fits_chunks(
+    attention_window: int | None, sink_frames: int, sink_update: str, chunk_bounds: Sequence[tuple[int, int]]
+) -> None:
+    """Raise ``ValueError`` (before any work) when ``sink_update="ema"`` would meet an eviction of a frame count other
+    than ``sink_frames`` in a rollout of ``chunk_bounds`` (the engines' rule, :func:`check_ema_eviction`)."""
+    if sink_update == "ema":
+        check_ema_chunks(AttentionWindow(attention_window, sink_frames), chunk_bounds)
 
 
 @dataclass(frozen=True)
@@ -214,7 +237,8 @@ class CausalRolloutMixin(PromptScheduleMixin):
         * ``timesteps`` (and ``first_chunk_timesteps``): the stored ones when the call names no schedule
           (``num_inference_steps``, ``timesteps`` or ``sigmas``); else 4 steps.
         * ``context_noise``: the stored one (0 by default).
-        * ``attention_window`` / ``sink_frames``: the stored ones when a ``kv_cache_engine`` is configured.
+        * ``attention_window`` / ``sink_frames`` / ``rope_positions`` / ``sink_update`` / ``sink_decay``: the stored
+          ones when a ``kv_cache_engine`` is configured.
         * a ``PipelineCallback``'s ``tensor_inputs``.
         * ``kv_cache_policy`` / ``context_frames`` / ``kv_cache_attention_bias``: the stored ones, when present and
           the call names no other policy (a stored ``"rolling"`` only where the pipeline can run it, text-to-video:
@@ -237,6 +261,9 @@ class CausalRolloutMixin(PromptScheduleMixin):
             changes["attention_window"] = config.get("attention_window")
         if options.sink_frames is None:
             changes["sink_frames"] = config.get("sink_frames", 0) if stored else 0
+        for name, default in KV_CACHE_POSITION_DEFAULTS.items():
+            if hasattr(options, name) and getattr(options, name) is None:
+                changes[name] = config.get(name, default) if stored else default
         # A call naming its own policy (say "sequential" over a stored "recompute") takes none of the stored
         # recompute settings; otherwise the stored ones fill what the call leaves out.
         own_policy = getattr(options, "kv_cache_policy", None)
@@ -273,21 +300,28 @@ class CausalRolloutMixin(PromptScheduleMixin):
         options = replace(options, prompt=prompt, prompt_embeds=prompt_embeds)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         shape = self.check_conditioning_inputs(options, batch_size)
-        self.check_kv_cache_inputs(options.kv_cache_engine, options.attention_window, options.sink_frames)
-        check_recompute_inputs(
-            options.kv_cache_policy, options.context_frames, options.attention_window, options.sink_frames,
-            options.keep_cache, options.recache, options.kv_cache_attention_bias,
-        )  # fmt: skip
         check_rolling_inputs(
             options.kv_cache_policy, attention_window=options.attention_window, sink_frames=options.sink_frames,
             keep_cache=options.keep_cache, recache=options.recache, context_noise=options.context_noise,
             first_chunk_timesteps=options.first_chunk_timesteps, prompt_schedule=prompt_schedule,
+            rope_positions=options.rope_positions, sink_update=options.sink_update,
+        )  # fmt: skip
+        self.check_kv_cache_inputs(
+            options.kv_cache_engine,
+            options.attention_window,
+            options.sink_frames,
+            **kv_cache_position_options(options),
+        )
+        check_recompute_inputs(
+            options.kv_cache_policy, options.context_frames, options.attention_window, options.sink_frames,
+            options.keep_cache, options.recache, options.kv_cache_attention_bias,
         )  # fmt: skip
         self.check_inputs(options, shape, batch_size)
         num_latent_frames = (shape.num_frames - 1) // self.vae_scale_factor_temporal + 1
         bounds = self.rollout_chunk_bounds(num_latent_frames, options.chunk_size)
         self.check_conditioning_fits(options, bounds)
         check_window_fits_chunks(options.attention_window, options.sink_frames, bounds)
+        check_sink_update_fits_chunks(options.attention_window, options.sink_frames, options.sink_update, bounds)
         check_prompt_schedule(self, prompt_schedule, bounds, shape.num_reference_frames)
         num_levels = len(
             self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)["sigmas"]
@@ -328,13 +362,15 @@ class CausalRolloutMixin(PromptScheduleMixin):
         refs = shape.num_reference_frames
         switches = self.prompt_switch_chunks(prompt_switches, [(max(s - refs, 0), e - refs) for s, e in bounds])
         cache_bounds = bounds
-        cache_window, engine_options = (options.attention_window, options.sink_frames), {}
+        cache_window = (options.attention_window, options.sink_frames)
         if options.kv_cache_policy == RECOMPUTE:  # the cache never holds more than the context and one chunk
             cache_bounds = [(0, options.context_frames + max(end - start for start, end in bounds))]
+        position_options = kv_cache_position_options(options)
         if rolling is not None:  # the anchor (first chunk) and the last frames, the anchor rotated at read time
             window = rolling.engine_window(bounds[0][1] - bounds[0][0])
-            cache_window, engine_options = (window.frames, window.sink), {"rope_positions": ANCHOR_POSITIONS}
-        self.configure_kv_cache(options.kv_cache_engine, *cache_window, cache_bounds, **engine_options)
+            cache_window = (window.frames, window.sink)
+            position_options = {**position_options, "rope_positions": ANCHOR_POSITIONS}
+        self.configure_kv_cache(options.kv_cache_engine, *cache_window, cache_bounds, **position_options)
         session = self.open_session(
             conditioner,
             prompt_embeds,
@@ -559,11 +595,14 @@ class CausalRolloutMixin(PromptScheduleMixin):
         attention_window: int | None,
         sink_frames: int,
         chunk_bounds: Sequence[tuple[int, int]],
-        **engine_options: Any,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str = "absolute",
+        sink_update: str = "fixed",
+        sink_decay: float = 0.999,
     ) -> None:
         """Give the transformer fresh engines of kind ``kv_cache_engine`` (``"static"`` or ``"vanilla"``) with the
         sliding window ``attention_window`` / ``sink_frames`` (latent frames), sized for the rollout's chunks, and
-        ``engine_options`` (e.g. ``rope_positions``; see [`make_engines`]).
+        the positions mode and sink update ``rope_positions`` / ``sink_update`` / ``sink_decay``.
 
         ``kv_cache_engine=None`` keeps the engines the transformer has (e.g. ones set with
         ``transformer.set_kv_cache_engines``). Called at the start of a rollout, whose caches are empty anyway.
@@ -579,19 +618,38 @@ class CausalRolloutMixin(PromptScheduleMixin):
             window_frames=attention_window,
             sink_frames=sink_frames,
             max_frames=chunk_bounds[-1][1],
-            **engine_options,
+            rope_positions=rope_positions,
+            sink_update=sink_update,
+            sink_decay=sink_decay,
         )
         self.transformer.set_kv_cache_engines(engines)
 
     @staticmethod
-    def check_kv_cache_inputs(kv_cache_engine: str | None, attention_window: int | None, sink_frames: int) -> None:
-        """Raise ``ValueError`` for an engine kind or window the engines cannot serve (the window settings by
-        [`AttentionWindow`], the engines' own rule)."""
+    def check_kv_cache_inputs(
+        kv_cache_engine: str | None,
+        attention_window: int | None,
+        sink_frames: int,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str = "absolute",
+        sink_update: str = "fixed",
+        sink_decay: float = 0.999,
+    ) -> None:
+        """Raise ``ValueError`` for an engine kind, window, positions mode or sink update the engines cannot serve
+        (the window settings by [`AttentionWindow`], the others by the engines' own check)."""
         if kv_cache_engine is not None and kv_cache_engine not in ENGINE_KINDS:
             raise ValueError(f"`kv_cache_engine` must be one of {ENGINE_KINDS} or None, got {kv_cache_engine!r}.")
         if kv_cache_engine is None and (attention_window is not None or sink_frames):
             raise ValueError("`attention_window`/`sink_frames` need a `kv_cache_engine` ('static' or 'vanilla').")
-        AttentionWindow.from_arguments(attention_window, sink_frames)
+        custom = (rope_positions, sink_update, sink_decay) != tuple(KV_CACHE_POSITION_DEFAULTS.values())
+        if kv_cache_engine is None and custom:
+            raise ValueError(
+                "`rope_positions`/`sink_update`/`sink_decay` configure the engines a `kv_cache_engine` ('static' or "
+                "'vanilla') builds; with kv_cache_engine=None set them on your own engines."
+            )
+        window = AttentionWindow.from_arguments(attention_window, sink_frames)
+        check_rope_and_sink_settings(
+            window, rope_positions, sink_update, sink_decay, window_name="attention_window", sink_name="sink_frames"
+        )
 
     def check_rollout_inputs(
         self,
@@ -602,18 +660,25 @@ class CausalRolloutMixin(PromptScheduleMixin):
         sigmas: Sequence[float] | None,
         context_noise: float,
         first_chunk_timesteps: Sequence[float] | None = None,
+        rope_positions: str | None = None,
     ) -> None:
-        """Raise ``ValueError`` for a chunking, schedule or context timestep the rollout cannot serve."""
+        """Raise ``ValueError`` for a chunking, schedule or context timestep the rollout cannot serve.
+
+        ``rope_positions``: the call's positions mode; one whose positions stay within the window
+        (``"window"``) serves a video of any length."""
         config = self.transformer.config
+        bounded = rope_positions in ROPE_POSITION_MODES and ROPE_POSITION_MODES[rope_positions].bounded
         if chunk_size is not None and (
             not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
         ):
             raise ValueError(f"`chunk_size` must be a positive number of latent frames or None, got {chunk_size!r}.")
-        if num_latent_frames > config.rope_max_seq_len and not getattr(self.transformer, "rope_rebasing", False):
+        rebasing = getattr(self.transformer, "rope_rebasing", False)
+        if num_latent_frames > config.rope_max_seq_len and not rebasing and not bounded:
             raise ValueError(
                 f"{num_latent_frames} latent frames run past the transformer's RoPE table of "
                 f"{config.rope_max_seq_len} frames (`rope_max_seq_len`); ask for fewer `num_frames`, or call "
-                "`pipe.transformer.enable_rope_rebasing()` (with an `attention_window`) for longer videos."
+                "`pipe.transformer.enable_rope_rebasing()` (with an `attention_window`), or use "
+                "`rope_positions='window'` (positions within the window) for longer videos."
             )
         for start, end in self.rollout_chunk_bounds(num_latent_frames, chunk_size):
             served = self.transformer.chunk_layout_for(end - start, start)
