@@ -258,8 +258,8 @@ def test_pipeline_rolling_rollout_streams_and_is_engine_agnostic(pipe):
         ({"num_frames": 33}, "at least as many chunks as denoising steps"),  # 3 chunks for 4 steps
         ({"attention_window": 14}, "too small"),
         ({"attention_window": 0}, "attention_window"),
-        ({"rope_positions": "window"}, "pass no `rope_positions`"),
-        ({"sink_update": "ema"}, "pass no `rope_positions` / `sink_update`"),
+        ({"rope_positions": "window"}, "pass no other `rope_positions`"),
+        ({"sink_update": "ema"}, "pass no other `rope_positions` / `sink_update`"),
     ],
 )
 def test_bad_rolling_arguments_raise_before_any_forward(pipe, kwargs, message):

@@ -79,10 +79,10 @@ def check_rolling_inputs(
         )
     if sink_frames:
         raise ValueError(f"{name} keeps its first chunk as the sink (the anchor): pass no `sink_frames`.")
-    if rope_positions is not None or sink_update not in (None, "fixed"):
+    if rope_positions not in (None, "absolute", ANCHOR_POSITIONS) or sink_update not in (None, "fixed"):
         raise ValueError(
             f"{name} positions its keys itself (absolute, the anchor rotated before the oldest frame attended: "
-            f"rope_positions={ANCHOR_POSITIONS!r}) and keeps a fixed anchor: pass no `rope_positions` / "
+            f"rope_positions={ANCHOR_POSITIONS!r}) and keeps a fixed anchor: pass no other `rope_positions` / "
             f"`sink_update`, got {rope_positions!r} / {sink_update!r}."
         )
     if context_noise:
