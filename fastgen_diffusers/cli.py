@@ -76,9 +76,10 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     )
     long_videos.add_argument(
         "--kv-cache-policy",
-        choices=("sequential", "recompute"),
-        help="KV cache policy; recompute (Krea) re-encodes --context-frames clean frames before each chunk "
-        "(default: the model's stored one, else sequential)",
+        choices=("sequential", "recompute", "rolling"),
+        help="KV cache policy; recompute (Krea) re-encodes --context-frames clean frames before each chunk, rolling "
+        "(Rolling Forcing, text-to-video) denoises a window of chunks at staggered noise levels per forward, "
+        "--attention-window frames per forward, 21 by default (default: the model's stored one, else sequential)",
     )
     long_videos.add_argument(
         "--context-frames", type=int, help="clean latent frames re-encoded per chunk under --kv-cache-policy recompute"

@@ -136,7 +136,23 @@ def check_prompt_switches(args: argparse.Namespace) -> None:
 
 def check_kv_cache_policy(args: argparse.Namespace) -> None:
     """``--context-frames`` >= 1, only with ``--kv-cache-policy recompute``, which does not combine with
-    ``--attention-window``/``--sink-frames``; ``--kv-cache-attention-bias`` in [0.01, 1] (any policy)."""
+    ``--attention-window``/``--sink-frames``; ``--kv-cache-attention-bias`` in [0.01, 1] (any policy);
+    ``--kv-cache-policy rolling`` is text-to-video only and keeps its first chunk as the sink (no
+    ``--sink-frames``)."""
+    if getattr(args, "kv_cache_policy", None) == "rolling":
+        if args.sink_frames is not None:
+            raise UsageError("--kv-cache-policy rolling keeps its first chunk as the sink: pass no --sink-frames.")
+        positions = [name for name in POSITION_FLAGS if getattr(args, name, None) is not None]
+        if positions:
+            raise UsageError(
+                f"{flag(positions[0])} cannot be combined with --kv-cache-policy rolling (it positions its keys "
+                "itself: absolute, the anchor re-rotated)."
+            )
+        conditioned = [f"--{name.replace('_', '-')}" for name in ROLLING_REFUSED_INPUTS if getattr(args, name, None)]
+        if conditioned:
+            raise UsageError(
+                f"--kv-cache-policy rolling drives text-to-video only; it cannot be combined with {conditioned[0]}."
+            )
     recompute = getattr(args, "kv_cache_policy", None) == "recompute"
     bias = getattr(args, "kv_cache_attention_bias", None)
     if bias is not None and not (math.isfinite(bias) and 0.01 <= bias <= 1):
@@ -189,6 +205,10 @@ def check_kv_cache_dtype(args: argparse.Namespace) -> None:
 
     if getattr(torch, name, None) is None:
         raise UsageError(f"--kv-cache-dtype {name} needs a torch with {name} (torch {torch.__version__}); use int8.")
+
+
+# conditioning inputs (image-to-video, VACE, video-to-video) that the rolling policy cannot drive
+ROLLING_REFUSED_INPUTS = ("image", "video", "control_video", "mask", "reference_image", "input_video")
 
 
 def _wants_vace(args: argparse.Namespace) -> bool:

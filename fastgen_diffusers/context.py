@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .kv_cache import BaseKVCacheEngine, CrossKVMode
+from .kv_cache import AttentionWindow, BaseKVCacheEngine, CrossKVMode
 from .kv_cache.masks import AttentionBias, BlockMaskMemo
 
 ANCHOR_FRAME = 0  # the frame a KV-cache attention bias spares: the video's first latent frame (see below)
@@ -37,6 +37,8 @@ class CausalContext:
         attention_bias: Krea's KV-cache attention bias in ``(0, 1]``: a denoising forward (``store_kv=False``) adds
             ``log(attention_bias)`` to the logits of the cached keys other than the anchor (frame 0) and the query's
             own chunk (:meth:`biased_key_frames`); 1: off, no mask built.
+        attention_window: the window this call attends under instead of each engine's own (``None``: the engines'),
+            checked by every engine against what it holds.
         query_positions: temporal RoPE positions of the call's frames when the engines store keys before RoPE (set
             by the model from the engines' ``key_positions``); ``None``: absolute frames.
     """
@@ -54,6 +56,7 @@ class CausalContext:
     block_masks: BlockMaskMemo = field(default_factory=BlockMaskMemo)
     committed: bool = False
     attention_bias: float = 1.0
+    attention_window: AttentionWindow | None = None
     query_positions: tuple[int, ...] | None = None
 
     @property
@@ -73,6 +76,10 @@ class CausalContext:
     def cross_mode(self, engine: BaseKVCacheEngine) -> CrossKVMode:
         return self.cross_modes.get(id(engine), CrossKVMode.COMPUTE)
 
+    def window_of(self, engine: BaseKVCacheEngine) -> AttentionWindow:
+        """The window this call attends under in ``engine``: the call's own, else the engine's."""
+        return engine.window if self.attention_window is None else self.attention_window
+
     def self_attention_mask(self, engine: BaseKVCacheEngine, device: torch.device) -> Any:
         """Block-causal mask over ``[visible prefix | this call]`` for a multi-chunk call, ``None`` otherwise.
 
@@ -83,7 +90,7 @@ class CausalContext:
         if not self.is_multi_chunk:
             return None
         return self.block_masks.get(
-            self.mask_backend, engine.window, self.start_frame, self.chunk_layout, self.frame_seqlen, device
+            self.mask_backend, self.window_of(engine), self.start_frame, self.chunk_layout, self.frame_seqlen, device
         )
 
     def biased_key_frames(
@@ -112,7 +119,9 @@ class CausalContext:
         if self.attention_bias == 1.0 or self.store_kv:
             return None
         if slot_frames is None:
-            prefix = engine.prefix_key_frames(self.cache_tag, self.start_frame, self.chunk_layout[0])
+            prefix = engine.prefix_key_frames(
+                self.cache_tag, self.start_frame, self.chunk_layout[0], self.attention_window
+            )
             frames = [*prefix, *range(self.start_frame, self.start_frame + self.num_frames)]
         else:
             frames = slot_frames
@@ -139,7 +148,7 @@ class CausalContext:
             return (None if slot_frames is not None else self.self_attention_mask(engine, device)), None
         return self.block_masks.bias(
             self.mask_backend,
-            engine.window,
+            self.window_of(engine),
             self.start_frame,
             self.chunk_layout,
             self.frame_seqlen,

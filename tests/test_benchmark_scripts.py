@@ -1,4 +1,5 @@
-"""The GPU-scale benchmark is prepared for sessions that are lent a GPU: its tiny CPU mode keeps it from rotting."""
+"""The GPU-scale benchmark is prepared for sessions that are lent a GPU: its tiny CPU mode keeps it from rotting.
+The rolling-vs-sequential benchmark's tiny mode runs here too."""
 
 from __future__ import annotations
 
@@ -60,3 +61,16 @@ def test_recompute_benchmark_runs_in_a_tiny_mode(capsys):
     assert printed.count("per-chunk time, output") == 2 and "recompute, re-encoded anchor" in printed
     assert "V2V sequential: first frames" in printed and "V2V recompute: first frames" in printed
     assert printed.count("(equal: True)") == 2  # the engines hold the context only, however many chunks
+
+
+def test_rolling_benchmark_runs_in_its_tiny_mode(capsys):
+    script = SCRIPT.parent / "bench_rolling.py"
+    spec = importlib.util.spec_from_file_location("bench_rolling", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--tiny"])
+    printed = capsys.readouterr().out
+    # 5 chunks, 5 steps: 5 x 5 denoising forwards + 4 cache passes; 9 windows: 9 denoising forwards + 8 commits
+    assert "[sequential] forwards 29 (25 denoising + 4 cache, carrying 87 latent frames), 5.80 per output" in printed
+    assert "[rolling] forwards 17 (9 denoising + 8 cache, carrying 99 latent frames), 3.40 per output" in printed
+    assert "rolling vs sequential: forwards per chunk x0.59, time per frame x" in printed

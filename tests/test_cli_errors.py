@@ -120,7 +120,22 @@ CASES = {
     "window 0": (["--attention-window", "0"], 2, "--attention-window must be at least 1, got 0"),
     "sink fills window": (["--attention-window", "4", "--sink-frames", "4"], 2, "[0, 4), got 4"),
     "sink negative": (["--attention-window", "4", "--sink-frames", "-1"], 2, "got -1"),
-    "unknown policy": (["--kv-cache-policy", "rolling"], 2, "argument --kv-cache-policy: invalid choice"),
+    "unknown policy": (["--kv-cache-policy", "bogus"], 2, "argument --kv-cache-policy: invalid choice"),
+    "rolling with sink": (
+        ["--kv-cache-policy", "rolling", "--attention-window", "21", "--sink-frames", "3"],
+        2,
+        "--kv-cache-policy rolling keeps its first chunk as the sink: pass no --sink-frames",
+    ),
+    "rolling with positions": (
+        ["--kv-cache-policy", "rolling", "--rope-positions", "window"],
+        2,
+        "--rope-positions cannot be combined with --kv-cache-policy rolling",
+    ),
+    "rolling with image": (
+        ["--kv-cache-policy", "rolling", "--image", "{frame.png}"],
+        2,
+        "--kv-cache-policy rolling drives text-to-video only; it cannot be combined with --image",
+    ),
     "context without recompute": (["--context-frames", "3"], 2, "--context-frames needs --kv-cache-policy recompute"),
     "bias too small without recompute": (
         ["--kv-cache-policy", "sequential", "--kv-cache-attention-bias", "0"],

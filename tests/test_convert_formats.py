@@ -92,7 +92,11 @@ EXPECTED = {
     "causal-forcing-framewise": {"timesteps": SF, "chunk_size": 1},
     "causal-forcing-1step": {"timesteps": (1000.0,), "chunk_size": 1, "first_chunk_timesteps": SF},
     "causal-forcing-2step": {"timesteps": (1000.0, 2500 / 3), "chunk_size": 1, "first_chunk_timesteps": SF},
-    "rolling-forcing": {"timesteps": warp_timesteps([1000, 800, 600, 400, 200], 5.0), "chunk_size": 3},
+    "rolling-forcing": {
+        "timesteps": warp_timesteps([1000, 800, 600, 400, 200], 5.0),
+        "chunk_size": 3,
+        "kv_cache_policy": "rolling",
+    },
     "reward-forcing": {
         "timesteps": SF,
         "attention_window": 9,
@@ -456,3 +460,42 @@ def test_converted_reward_forcing_samples_with_window_rope_and_ema_sink_by_defau
     ).frames
     assert pipe.transformer.kv_cache_engines["main"].rope_positions == "absolute"
     assert not torch.equal(default, absolute)
+
+
+def test_converted_rolling_forcing_samples_with_the_rolling_window_by_default(wan_base, tmp_path):  # noqa: F811
+    """`convert --format rolling-forcing` stores `kv_cache_policy="rolling"`: `pipe(prompt)` denoises windows of 5
+    chunks at staggered levels (one forward per window plus its commit); a call may still ask for the sequential
+    rollout."""
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    output = tmp_path / "rolling"
+    result = convert_checkpoint(
+        write_release(tmp_path, "rolling-forcing"),
+        base=wan_base,
+        output=output,
+        format="rolling-forcing",
+        base_model_id="org/w",
+    )
+    assert "kv_cache_policy" in result.pipeline_settings and not result.pending_settings
+    assert json.loads((output / "model_index.json").read_text())["kv_cache_policy"] == "rolling"
+    pipe = WanCausalPipeline.from_pretrained(output)
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.config["kv_cache_policy"] == "rolling"
+    frames = []  # the frame count of every transformer forward
+    forward = pipe.transformer.forward
+
+    def recording(hidden_states, *args, **kwargs):
+        frames.append(hidden_states.shape[2])
+        return forward(hidden_states, *args, **kwargs)
+
+    pipe.transformer.forward = recording
+    call = {"height": 16, "width": 16, "num_frames": 57, "output_type": "latent"}  # 5 chunks, the 5 stored steps
+    try:
+        default = pipe("a cat", generator=torch.Generator().manual_seed(0), **call).frames
+        rolling_frames, frames[:] = list(frames), []
+        sequential = pipe("a cat", generator=torch.Generator().manual_seed(0), kv_cache_policy="sequential", **call)
+    finally:
+        del pipe.transformer.forward
+    assert len(rolling_frames) == 2 * (5 + 5 - 1) - 1 and max(rolling_frames) == 15  # a full window: 5 chunks
+    assert len(frames) == 5 * 5 + 4 and max(frames) == 3
+    assert not torch.equal(default, sequential.frames)

@@ -295,7 +295,7 @@ def test_one_policy_object_serves_interleaved_rollouts():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"kv_cache_policy": "rolling"}, "kv_cache_policy"),
+        ({"kv_cache_policy": "bogus"}, "kv_cache_policy"),
         ({"kv_cache_policy": "recompute"}, "context_frames"),
         ({"kv_cache_policy": "recompute", "context_frames": 0}, "context_frames"),
         ({"context_frames": 3}, "context_frames"),

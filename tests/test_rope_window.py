@@ -25,11 +25,14 @@ CHUNK = 3
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"rope_positions": "slot"}, "`rope_positions` must be one of ('absolute', 'window')"),
-        ({"rope_positions": "window"}, "rotates keys by their slot in the sliding window: set `window_frames`"),
+        ({"rope_positions": "slot"}, "`rope_positions` must be one of ('absolute', 'window', 'anchor')"),
+        ({"rope_positions": "window"}, "positions keys within the sliding window and its sink: set `window_frames`"),
         ({**REWARD, "sink_update": "mean"}, "`sink_update` must be one of ('fixed', 'ema')"),
         ({**REWARD, "sink_frames": 0}, "set `sink_frames` > 0"),
-        ({**REWARD, "rope_positions": "absolute"}, "needs keys stored before RoPE: use rope_positions in ('window',)"),
+        (
+            {**REWARD, "rope_positions": "absolute"},
+            "needs keys stored before RoPE: use rope_positions in ('window', 'anchor')",
+        ),
         ({**REWARD, "sink_decay": 1.0}, "`sink_decay` must be a number in (0, 1)"),
         ({**REWARD, "sink_decay": 0}, "`sink_decay` must be a number in (0, 1)"),
         ({**REWARD, "sink_decay": True}, "`sink_decay` must be a number in (0, 1)"),

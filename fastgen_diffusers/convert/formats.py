@@ -23,7 +23,7 @@ __all__ = [
     "warp_timesteps",
 ]
 
-KV_CACHE_POLICIES = ("sequential", "recompute")
+KV_CACHE_POLICIES = ("sequential", "recompute", "rolling")
 
 
 def _timesteps(values: Sequence[float] | None, name: str) -> tuple[float, ...] | None:
@@ -50,8 +50,10 @@ class SamplingSettings:
             1/2-step models denoise the first chunk with 4 steps: ``denoising_step_list_first_chunk``).
         attention_window: Sliding attention window in latent frames, the sink included (``local_attn_size``).
         sink_frames: First latent frames kept inside the window (``sink_size``).
-        kv_cache_policy: ``"sequential"`` (cache each finished chunk) or ``"recompute"`` (Krea: re-encode a few
-            context frames before every chunk). Stored for the policy that implements it.
+        kv_cache_policy: ``"sequential"`` (cache each finished chunk), ``"recompute"`` (Krea: re-encode a few
+            context frames before every chunk) or ``"rolling"`` (Rolling Forcing: one forward denoises a window of
+            chunks at staggered noise levels; its sink is the first chunk, so no ``sink_frames``, and it commits
+            chunks clean, so ``context_noise`` 0). Stored for the policy that implements it.
         context_frames: Latent frames the recompute policy re-encodes (Krea's ``kv_cache_num_frames``).
         kv_cache_attention_bias: Attention weight on cached frames, as a factor (Krea: 0.3, i.e. ``log(0.3)`` added
             to the logits); 1.0 is no bias.
@@ -102,6 +104,13 @@ class SamplingSettings:
             )
         if self.kv_cache_policy not in KV_CACHE_POLICIES:
             raise ValueError(f"`kv_cache_policy` must be one of {KV_CACHE_POLICIES}, got {self.kv_cache_policy!r}.")
+        rolling_unsupported = self.sink_frames or self.context_noise or self.first_chunk_timesteps
+        if self.kv_cache_policy == "rolling" and rolling_unsupported:
+            raise ValueError(
+                "`kv_cache_policy='rolling'` keeps its first chunk as the sink and commits chunks at timestep 0 on "
+                f"one schedule: `sink_frames`, `context_noise` and `first_chunk_timesteps` must be unset, got "
+                f"{self.sink_frames}, {self.context_noise}, {self.first_chunk_timesteps}."
+            )
         if not 0 < self.kv_cache_attention_bias <= 1:
             raise ValueError(f"`kv_cache_attention_bias` must be in (0, 1], got {self.kv_cache_attention_bias}.")
         # the engines' rule (kv_cache.base.check_rope_and_sink_settings), restated: this table imports no torch
@@ -370,8 +379,12 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         "TencentARC/RollingForcing",
         ("rolling_forcing_dmd.pt",),
         _ORIGINAL_CONTAINERS,
-        # configs/rolling_forcing_dmd.yaml: warped [1000, 800, 600, 400, 200]; its rolling window is a later policy.
-        SamplingSettings(timesteps=warp_timesteps([1000, 800, 600, 400, 200], 5.0), shift=5.0),
+        # configs/rolling_forcing_dmd.yaml: warped [1000, 800, 600, 400, 200], 3-frame blocks;
+        # inference_rolling_forcing denoises a rolling window of 5 blocks at staggered levels (21-frame attention,
+        # the first block as anchor).
+        SamplingSettings(
+            timesteps=warp_timesteps([1000, 800, 600, 400, 200], 5.0), shift=5.0, kv_cache_policy="rolling"
+        ),
         _name("rolling_forcing", "rolling-forcing", "rollingforcing"),
     ),
     StudentFormat(

@@ -78,7 +78,7 @@ def check_rope_and_sink_settings(
     """Raise ``ValueError`` for a positions mode or sink update that cannot work with ``window``; returns the mode.
 
     * ``rope_positions`` must be one of :data:`~fastgen_diffusers.kv_cache.positions.ROPE_POSITION_MODES`; ``"window"``
-      needs a sliding window (positions are slots of it);
+      and ``"anchor"`` need a sliding window (positions are slots of it, or the sink moved next to it);
     * ``sink_update`` must be ``"fixed"`` or ``"ema"``; ``"ema"`` needs sink frames and keys stored before RoPE (an
       average of keys rotated for different frames mixes their positions), so ``rope_positions`` other than
       ``"absolute"``;
@@ -89,7 +89,7 @@ def check_rope_and_sink_settings(
     mode = ROPE_POSITION_MODES[rope_positions]
     if mode.needs_window and not window.bounded:
         raise ValueError(
-            f"`rope_positions={rope_positions!r}` rotates keys by their slot in the sliding window: set "
+            f"`rope_positions={rope_positions!r}` positions keys within the sliding window and its sink: set "
             f"`{window_name}` as well (or use rope_positions='absolute')."
         )
     if not isinstance(sink_update, str) or sink_update not in SINK_UPDATES:
@@ -285,13 +285,15 @@ class BaseKVCacheEngine:
         dtype: torch.dtype,
         device: torch.device,
         chunk_layout: tuple[int, ...] = (1,),
+        attention_window: AttentionWindow | None = None,
         store_kv: bool = False,
     ) -> None:
         """Raise ``ValueError`` if a call cannot be served by what ``cache_tag`` holds. Writes nothing.
 
         ``chunk_layout`` is the call's split into chunks (frame counts); windowed engines check that each chunk fits
         the window and that the frames its first chunk attends to are still held. With ``sink_update="ema"`` the
-        frames the call evicts must be as many as the sink's (see :meth:`begin_call`).
+        frames the call evicts must be as many as the sink's (see :meth:`begin_call`). ``attention_window`` is the
+        call's own window (see :meth:`check_call_window`), checked instead of the engine's.
         """
         layout = {
             "batch_size": batch_size,
@@ -306,9 +308,55 @@ class BaseKVCacheEngine:
                 f"An 8-bit KV cache (`kv_cache_dtype={self.kv_cache_dtype}`) serves inference only: run the forward "
                 "under `torch.no_grad()` or `torch.inference_mode()`, or use engines without `kv_cache_dtype`."
             )
-        self._tags.check_call(cache_tag, self.window, start_frame, chunk_layout, layout)
+        if attention_window is None:
+            self._tags.check_call(cache_tag, self.window, start_frame, chunk_layout, layout)
+            if self.sink_update == "ema":
+                self._check_ema_call(cache_tag, start_frame, chunk_layout, store_kv)
+            return
         if self.sink_update == "ema":
-            self._check_ema_call(cache_tag, start_frame, chunk_layout, store_kv)
+            raise ValueError(
+                "A call under its own `attention_window` evicts nothing, so it cannot fold evicted frames into an EMA "
+                "sink: use sink_update='fixed' with per-call windows."
+            )
+        self._tags.check_call(cache_tag, attention_window, start_frame, chunk_layout, layout, check_held=False)
+        self.check_call_window(cache_tag, attention_window, start_frame, chunk_layout[0])
+
+    def check_call_window(
+        self, cache_tag: str, attention_window: AttentionWindow, start_frame: int, first_chunk_frames: int
+    ) -> None:
+        """Raise ``ValueError`` unless a call at ``start_frame`` attending under its own ``attention_window`` sees only
+        frames ``cache_tag`` holds.
+
+        A per-call window lets one rollout attend under several windows while the engine holds the union of what
+        they see: the engine's window (``window_frames`` / ``sink_frames``) is then the *holding* window, and a call
+        may attend to any held frames (its own sink and recent frames). Such a call evicts nothing
+        (:meth:`begin_call`); stores still evict by the holding window.
+        """
+        if not isinstance(attention_window, AttentionWindow):
+            raise ValueError(
+                f"`attention_window` must be an AttentionWindow or None, got {type(attention_window).__name__}."
+            )
+        state = self._tags.get(cache_tag)
+        if not self.window.bounded or state is None:
+            return
+        if not attention_window.bounded:
+            raise ValueError(
+                "An unbounded `attention_window` attends to every earlier frame, but the engine holds only its "
+                f"window (window_frames={self.window.frames}, sink_frames={self.window.sink}); give the call a "
+                "bounded window within it."
+            )
+        held_from = max(self.window.sink, state.evicted_before)  # non-sink frames before it are gone
+        sink_end, recent_start = attention_window.visible(start_frame, first_chunk_frames)
+        for first, last in ((0, sink_end), (recent_start, start_frame)):
+            gone_first, gone_last = max(first, self.window.sink), min(last, held_from)
+            if gone_first < gone_last:
+                raise ValueError(
+                    f"A call at start_frame={start_frame} under attention_window={attention_window.frames} "
+                    f"(sink {attention_window.sink}) attends to frames [{gone_first}, {gone_last}) that cache_tag "
+                    f"{cache_tag!r} no longer holds (the engine's window_frames={self.window.frames}, "
+                    f"sink_frames={self.window.sink} keeps the sink and the frames from {held_from} on). Give the "
+                    "engine a window holding every frame its calls attend to."
+                )
 
     def _check_ema_call(self, cache_tag: str, start_frame: int, chunk_layout: Sequence[int], store_kv: bool) -> None:
         """The EMA sink folds the frames a call evicts into the sink frame by frame (:meth:`begin_call`)."""
@@ -327,12 +375,21 @@ class BaseKVCacheEngine:
         attends to (every frame before it, or the window and sink)."""
         return self.window.visible_frames(start_frame, first_chunk_frames)
 
-    def held_visible(self, cache_tag: str, start_frame: int, first_chunk_frames: int) -> tuple[int, int]:
+    def held_visible(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        first_chunk_frames: int,
+        attention_window: AttentionWindow | None = None,
+    ) -> tuple[int, int]:
         """[`visible_window`] clipped to what ``cache_tag`` holds (``[0, sink_end)``, ``[recent_start, start_frame)``).
 
         The same as :meth:`visible_window` for every call the rules allow; only the calls of a windowed recache
-        (:meth:`skip_evicted`) see fewer frames, as their evicted predecessors are gone.
+        (:meth:`skip_evicted`) see fewer frames, as their evicted predecessors are gone. A call under its own
+        ``attention_window`` sees that window's frames (checked held by :meth:`check_call_window`).
         """
+        if attention_window is not None:
+            return attention_window.visible(start_frame, first_chunk_frames)
         sink_end, recent_start = self.window.visible(start_frame, first_chunk_frames)
         state = self._tags.get(cache_tag)
         if state is not None and self.window.bounded:
@@ -416,7 +473,13 @@ class BaseKVCacheEngine:
         return snapshot
 
     # ------------------------------------------------------------------ the forward's operations
-    def begin_call(self, cache_tag: str, start_frame: int, first_chunk_frames: int) -> None:
+    def begin_call(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        first_chunk_frames: int,
+        attention_window: AttentionWindow | None = None,
+    ) -> None:
         """Evict (windowed engines) the non-sink frames before the window of a call about to run.
 
         Called once per forward, after :meth:`ensure_capacity` and before the blocks run, so that every block of the
@@ -425,9 +488,11 @@ class BaseKVCacheEngine:
         ``sink[i] = sink_decay * sink[i] + (1 - sink_decay) * e[i]`` (Reward Forcing's update at the first forward
         of a chunk that evicts; every call of that chunk then sees the updated sink). Inside the forward's
         transaction, so a failed forward restores the sink. A windowed recache (:meth:`skip_evicted`) folds nothing.
+        A call under its own ``attention_window`` evicts nothing: later calls may attend under other windows (its
+        stores still evict by the engine's window).
         """
         state = self._tags.get(cache_tag)
-        if not self.window.bounded or state is None:
+        if not self.window.bounded or state is None or attention_window is not None:
             return
         _, recent_start = self.window.visible(start_frame, first_chunk_frames)
         first = max(self.window.sink, state.evicted_before)
@@ -455,29 +520,44 @@ class BaseKVCacheEngine:
 
     # ------------------------------------------------------------------ RoPE positions
     def key_positions(
-        self, cache_tag: str, start_frame: int, num_frames: int, first_chunk_frames: int, *, in_place: bool = False
+        self,
+        cache_tag: str,
+        start_frame: int,
+        num_frames: int,
+        first_chunk_frames: int,
+        *,
+        in_place: bool = False,
+        attention_window: AttentionWindow | None = None,
     ) -> RopePositions:
         """Temporal RoPE positions of the keys a call attends to, in the order the engine returns them, and of its
         queries (:class:`~fastgen_diffusers.kv_cache.positions.RopePositions`), by the engine's ``rope_positions``.
 
         The keys are ``[visible prefix | this call]`` (:meth:`get_self_prefix`, then the call's frames), or with
         ``in_place=True`` those of the static engine's in-place path, in buffer slot order. Reads nothing but the
-        tag's bookkeeping, so it may be asked before or after :meth:`begin_call` (same answer).
+        tag's bookkeeping, so it may be asked before or after :meth:`begin_call` (same answer). A call under its own
+        ``attention_window`` gets the keys of that window, positioned by the mode under it.
         """
-        frames = self._key_frames(cache_tag, start_frame, num_frames, first_chunk_frames, in_place)
-        positions = dict(zip(frames, self._rope_mode.rule(frames, self.window, self.rope_offset(cache_tag))))
+        frames = self._key_frames(cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window)
+        window = self.window if attention_window is None else attention_window
+        positions = dict(zip(frames, self._rope_mode.rule(frames, window, self.rope_offset(cache_tag))))
         return RopePositions(
             tuple(positions[frame] for frame in frames),
             tuple(positions[frame] for frame in range(start_frame, start_frame + num_frames)),
         )
 
     def _key_frames(
-        self, cache_tag: str, start_frame: int, num_frames: int, first_chunk_frames: int, in_place: bool
+        self,
+        cache_tag: str,
+        start_frame: int,
+        num_frames: int,
+        first_chunk_frames: int,
+        in_place: bool,
+        attention_window: AttentionWindow | None = None,
     ) -> list[int]:
         """The frame of every key frame a call attends to, in the order the engine returns the keys."""
         if in_place:
             raise ValueError(f"{type(self).__name__} has no in-place attention path.")
-        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames)
+        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
         own = range(start_frame, start_frame + num_frames)
         return [*range(sink_end), *range(recent_start, start_frame), *own]
 
@@ -531,21 +611,37 @@ class BaseKVCacheEngine:
     def _reserve(self, state: TagState, cache_tag: str, max_frames: int | None) -> None:
         """Preallocating engines grow their buffers here."""
 
-    def prefix_key_frames(self, cache_tag: str, start_frame: int, first_chunk_frames: int = 1) -> list[int]:
+    def prefix_key_frames(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        first_chunk_frames: int = 1,
+        attention_window: AttentionWindow | None = None,
+    ) -> list[int]:
         """The latent frame of each frame of keys :meth:`get_self_prefix` returns, in its order (frame order)."""
-        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames)
+        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
         return [*range(sink_end), *range(recent_start, start_frame)]
 
-    def get_self_prefix(self, block_idx: int, cache_tag: str, start_frame: int, first_chunk_frames: int = 1):
+    def get_self_prefix(
+        self,
+        block_idx: int,
+        cache_tag: str,
+        start_frame: int,
+        first_chunk_frames: int = 1,
+        attention_window: AttentionWindow | None = None,
+    ):
         """Cached ``(key, value)``, each ``(B, prefix_tokens, H, D)`` in frame order, visible to a call at
-        ``start_frame`` whose first chunk has ``first_chunk_frames`` frames (the window shrinks as it grows).
+        ``start_frame`` whose first chunk has ``first_chunk_frames`` frames (the window shrinks as it grows), under
+        the engine's window or the call's own ``attention_window``.
 
         ``None`` when nothing is visible. The attention path asks :meth:`self_attention_kv` for
         ``[prefix | this call]`` in one piece instead: the prefix alone and then a concatenation with the call
         would copy the prefix twice (and the static engine's hot path copies nothing). Both read the same
         :meth:`_self_prefix_pieces`, so they cannot disagree.
         """
-        keys, values = self._self_prefix_pieces(block_idx, cache_tag, start_frame, first_chunk_frames)
+        keys, values = self._self_prefix_pieces(
+            block_idx, cache_tag, start_frame, first_chunk_frames, attention_window
+        )
         if not keys:
             return None
         if len(keys) == 1:
@@ -687,9 +783,14 @@ class BaseKVCacheEngine:
         raise NotImplementedError
 
     def _self_prefix_pieces(
-        self, block_idx: int, cache_tag: str, start_frame: int, first_chunk_frames: int
+        self,
+        block_idx: int,
+        cache_tag: str,
+        start_frame: int,
+        first_chunk_frames: int,
+        attention_window: AttentionWindow | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Views of the visible cached K and V, each ``(B, tokens, H, D)``, in frame order (:meth:`visible_window`)."""
+        """Views of the visible cached K and V, each ``(B, tokens, H, D)``, in frame order (:meth:`held_visible`)."""
         raise NotImplementedError
 
     def append_self_kv(

@@ -9,6 +9,8 @@ its mode gives it, and the call's queries at the positions of the call's own fra
   ``[sink | recent frames | this call]`` sit at ``0 .. k-1``, so the sink sits right before the recent frames, the
   call's queries at ``k - F .. k-1``, and no position ever reaches the window size (a stream never leaves the RoPE
   table and never needs re-basing).
+* ``"anchor"`` (Rolling Forcing): every key at its absolute frame except the sink frames (the anchor), which sit
+  right before the oldest non-sink frame attended; with nothing else cached they stay where they are.
 
 A mode is a function ``(frames, window, rope_offset) -> positions``: ``frames`` are the absolute latent frames of the
 keys in the order the engine returns them (its prefix, then the call's own frames, or the static engine's slot order
@@ -37,6 +39,14 @@ def window_positions(frames: Sequence[int], window: AttentionWindow, rope_offset
     return [rank[frame] for frame in frames]
 
 
+def anchor_positions(frames: Sequence[int], window: AttentionWindow, rope_offset: int) -> list[int]:
+    """Every key at ``frame - rope_offset``, except the sink frames (``frame < window.sink``): they are moved to sit
+    right before the oldest non-sink frame attended, in order (the anchor re-rotated to the front of the window)."""
+    sink = window.sink
+    oldest = min((frame for frame in frames if frame >= sink), default=sink)
+    return [(frame if frame >= sink else oldest - sink + frame) - rope_offset for frame in frames]
+
+
 @dataclass(frozen=True)
 class RopePositionMode:
     """One value of an engine's ``rope_positions``.
@@ -58,6 +68,7 @@ class RopePositionMode:
 ROPE_POSITION_MODES: dict[str, RopePositionMode] = {
     "absolute": RopePositionMode(absolute_positions, keys_before_rope=False),
     "window": RopePositionMode(window_positions, keys_before_rope=True, needs_window=True, bounded=True),
+    "anchor": RopePositionMode(anchor_positions, keys_before_rope=True, needs_window=True),
 }
 
 

@@ -292,11 +292,13 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         visible = self.window.slots(end_frame)
         return entry.key[:, : visible * seqlen], entry.value[:, : visible * seqlen]
 
-    def _key_frames(self, cache_tag, start_frame, num_frames, first_chunk_frames, in_place):
+    def _key_frames(self, cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window=None):
         """On the in-place path (:meth:`static_call`) the keys are the buffer's first slots, in slot order: the sink,
         then the ring, whose order is not frame order once the window has wrapped."""
         if not in_place:
-            return super()._key_frames(cache_tag, start_frame, num_frames, first_chunk_frames, in_place)
+            return super()._key_frames(
+                cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window
+            )
         end_frame = start_frame + num_frames
         window = self.window
         held = [(0, end_frame)]
@@ -322,11 +324,11 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         entry.key[:, : frames * seqlen] = self._encode_kv(key, state)
         entry.value[:, : frames * seqlen] = self._encode_kv(value, state)
 
-    def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames):
+    def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames, attention_window=None):
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
         state = self._tags[cache_tag]
         seqlen = state.frame_seqlen
-        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames)
+        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
         keys, values = [], []
         for first, last in ((0, sink_end), (recent_start, start_frame)):
             for _, slot, count in self._slot_runs(first, last):

@@ -108,9 +108,11 @@ class TagTable:
         start_frame: int,
         chunk_layout: Sequence[int],
         layout: dict[str, Any],
+        check_held: bool = True,
     ) -> None:
         """Raise ``ValueError`` if a call at ``start_frame`` split into ``chunk_layout`` with entries of ``layout``
-        (:meth:`TagState.layout`) cannot be served by what ``cache_tag`` holds."""
+        (:meth:`TagState.layout`) cannot be served by what ``cache_tag`` holds. ``check_held=False`` leaves the check
+        that ``window`` sees only held frames to the caller (a call attending under its own window)."""
         if start_frame < 0:
             raise ValueError(f"`start_frame` must be >= 0, got {start_frame}.")
         window.check_layout(start_frame, chunk_layout)
@@ -128,7 +130,7 @@ class TagTable:
                 f"`start_frame={start_frame}` is inside a stored chunk of cache_tag {cache_tag!r}; calls must start "
                 f"at a chunk boundary the cache can serve: one of {sorted(set(state.chunk_starts + [stored]))}."
             )
-        if not state.recaching:
+        if check_held and not state.recaching:
             window.check_held(start_frame, chunk_layout[0], state.evicted_before, f"cache_tag {cache_tag!r}")
         for name, expected in state.layout().items():
             given = torch.device(layout[name]) if name == "device" else layout[name]

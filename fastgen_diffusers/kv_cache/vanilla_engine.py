@@ -54,11 +54,11 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> VanillaSelfEntry:
         return VanillaSelfEntry()
 
-    def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames):
+    def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames, attention_window=None):
         entry: VanillaSelfEntry = self._self_kv[block_idx][cache_tag]
         state = self._tags[cache_tag]
         seqlen = state.frame_seqlen
-        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames)
+        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
         keys, values = [], []
         for run_start, run_end, key, value in entry.runs(seqlen):
             for low, high in ((0, sink_end), (recent_start, start_frame)):

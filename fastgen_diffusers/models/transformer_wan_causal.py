@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from ..chunking import chunk_layout
 from ..context import CausalContext
-from ..kv_cache import BaseKVCacheEngine, CrossKVMode, KVCacheEngine
+from ..kv_cache import AttentionWindow, BaseKVCacheEngine, CrossKVMode, KVCacheEngine
 from ..kv_cache.cross import ConditioningKey
 from ..kv_cache.masks import BlockMaskMemo
 from ..parallel import (
@@ -289,6 +289,24 @@ class CausalWanMixin:
         first_alone = self.config.independent_first_frame and start_frame == 0
         return chunk_layout(num_frames, self.config.chunk_size, first_alone)
 
+    def _call_layout(
+        self, num_frames: int, start_frame: int, chunk_layout: Sequence[int] | None = None
+    ) -> tuple[int, ...]:
+        """The chunks of a call: ``chunk_layout`` when the call gives one (checked), else :meth:`chunk_layout_for`."""
+        if chunk_layout is None:
+            return self.chunk_layout_for(num_frames, start_frame)
+        layout = tuple(chunk_layout) if isinstance(chunk_layout, (tuple, list)) else None
+        if (
+            not layout
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layout)
+            or sum(layout) != num_frames
+        ):
+            raise ValueError(
+                f"`chunk_layout` must be a tuple of positive frame counts summing to the call's {num_frames} latent "
+                f"frames (e.g. ({num_frames},): one chunk, no mask), or None, got {chunk_layout!r}."
+            )
+        return layout
+
     def _frame_timesteps(self, timestep: torch.Tensor, batch_size: int, num_frames: int) -> torch.Tensor:
         """``(B,)`` or ``(B, F)`` model-scale timesteps as ``(B, F)``."""
         if not isinstance(timestep, torch.Tensor):
@@ -385,12 +403,14 @@ class CausalWanMixin:
         text_len: int,
         image_len: int,
         attention_bias: float = 1.0,
+        attention_window: AttentionWindow | None = None,
+        chunk_layout: Sequence[int] | None = None,
     ) -> CausalContext:
         """Size the entries of ``cache_tag`` and decide each engine's cross K/V mode (after :meth:`_check_call`)."""
         dtype = self._compute_dtype(device)
         grad_enabled = torch.is_grad_enabled()
         cross_modes, matches = {}, {}  # engines filled from one source compare the conditioning once
-        layout = self.chunk_layout_for(num_frames, start_frame)
+        layout = self._call_layout(num_frames, start_frame, chunk_layout)
         for engine in self.kv_cache_engines.values():
             engine.ensure_capacity(
                 cache_tag,
@@ -404,7 +424,7 @@ class CausalWanMixin:
                 image_len=image_len,
                 max_frames=start_frame + num_frames,
             )
-            engine.begin_call(cache_tag, start_frame, layout[0])
+            engine.begin_call(cache_tag, start_frame, layout[0], attention_window)
             cross_modes[id(engine)] = engine.cross_mode(
                 cache_tag, conditioning, store_kv=store_kv, grad_enabled=grad_enabled, matches=matches
             )
@@ -421,6 +441,7 @@ class CausalWanMixin:
             mask_backend=self._resolve_mask_backend(device),
             block_masks=self.block_masks,
             attention_bias=attention_bias,
+            attention_window=attention_window,
         )
 
     def _check_call(
@@ -433,6 +454,8 @@ class CausalWanMixin:
         start_frame: int,
         cache_tag: str,
         store_kv: bool,
+        attention_window: AttentionWindow | None = None,
+        chunk_layout: Sequence[int] | None = None,
     ) -> tuple[int, int, int, torch.Tensor]:
         """Validate a call against the config and every engine; returns ``(post-patch F, H', W')`` and the host copy
         of the timestep values (:func:`read_timestep`). Writes nothing.
@@ -461,7 +484,12 @@ class CausalWanMixin:
             raise ValueError(f"Latent height/width ({height}, {width}) must be divisible by the patch ({p_h}, {p_w}).")
         post_h, post_w = height // p_h, width // p_w
         self._check_context_parallel_call(post_h * post_w)
-        layout = self.chunk_layout_for(num_frames // p_t, start_frame)
+        layout = self._call_layout(num_frames // p_t, start_frame, chunk_layout)
+        if attention_window is not None and not isinstance(attention_window, AttentionWindow):
+            raise ValueError(
+                f"`attention_window` must be an AttentionWindow (the call's own window) or None, got "
+                f"{type(attention_window).__name__}."
+            )
         if not self._keys_before_rope():
             self._rope_offset_for(cache_tag, start_frame, num_frames // p_t, post_h, post_w)
         for engine in self.kv_cache_engines.values():
@@ -475,10 +503,13 @@ class CausalWanMixin:
                 dtype=self._compute_dtype(hidden_states.device),
                 device=hidden_states.device,
                 chunk_layout=layout,
+                attention_window=attention_window,
                 store_kv=store_kv,
             )
             if engine.keys_before_rope:  # positions come from the engine's mode: check them against the table
-                positions = engine.key_positions(cache_tag, start_frame, num_frames // p_t, layout[0])
+                positions = engine.key_positions(
+                    cache_tag, start_frame, num_frames // p_t, layout[0], attention_window=attention_window
+                )
                 self.rotary_tables.check_positions(positions.keys, post_h, post_w)
         return num_frames // p_t, post_h, post_w, timestep_values
 
@@ -504,9 +535,10 @@ class CausalWanMixin:
         for name, engine in self.kv_cache_engines.items():
             mode = ctx.cross_mode(engine)
             static_call = getattr(engine, "static_call", None)
+            # a call under its own window gathers what it sees: the engine's fixed buffers hold its holding window
             static = (
                 None
-                if static_call is None
+                if static_call is None or ctx.attention_window is not None
                 else static_call(ctx.cache_tag, ctx.start_frame, ctx.num_frames, first_chunk)
             )
             slot_frames = None if static is None else static.slot_frames
@@ -531,7 +563,12 @@ class CausalWanMixin:
                     )
                 else:
                     load_prefix = functools.partial(
-                        engine.get_self_prefix, block_idx, ctx.cache_tag, ctx.start_frame, first_chunk
+                        engine.get_self_prefix,
+                        block_idx,
+                        ctx.cache_tag,
+                        ctx.start_frame,
+                        first_chunk,
+                        ctx.attention_window,
                     )
                     self_attn = SelfAttentionInputs(
                         mask=mask, store=store, load_prefix=load_prefix, bias=bias, key_rotary=key_rotary
@@ -549,7 +586,12 @@ class CausalWanMixin:
         """``(1, Lk, 1, D/2, 2)`` rotations of the keys ``engine`` returns for this call (static: one per buffer slot);
         records the call's query positions on ``ctx`` (every engine must agree on them)."""
         positions = engine.key_positions(
-            ctx.cache_tag, ctx.start_frame, ctx.num_frames, ctx.chunk_layout[0], in_place=static is not None
+            ctx.cache_tag,
+            ctx.start_frame,
+            ctx.num_frames,
+            ctx.chunk_layout[0],
+            in_place=static is not None,
+            attention_window=ctx.attention_window,
         )
         if ctx.query_positions is not None and ctx.query_positions != positions.queries:
             raise ValueError("The engines of this model give the call's queries different RoPE positions.")
@@ -635,6 +677,8 @@ class CausalWanMixin:
         store_kv: bool,
         return_dict: bool,
         kv_cache_attention_bias: float = 1.0,
+        attention_window: AttentionWindow | None = None,
+        chunk_layout: Sequence[int] | None = None,
         **block_inputs: Any,
     ) -> torch.Tensor | Transformer2DModelOutput:
         """The forward of a causal model around its block loop; ``block_inputs`` go to ``_forward_blocks``.
@@ -652,6 +696,8 @@ class CausalWanMixin:
             cache_tag=cache_tag,
             store_kv=store_kv,
             attention_bias=kv_cache_attention_bias,
+            attention_window=attention_window,
+            chunk_layout=chunk_layout,
         )
         try:
             output = self._compute_forward(
@@ -677,6 +723,8 @@ class CausalWanMixin:
         cache_tag: str,
         store_kv: bool,
         attention_bias: float = 1.0,
+        attention_window: AttentionWindow | None = None,
+        chunk_layout: Sequence[int] | None = None,
     ) -> ForwardCall:
         """Check the call, open the engines' transaction and decide everything per call (masks, slots, modes, RoPE)."""
         batch_size = hidden_states.shape[0]
@@ -688,6 +736,8 @@ class CausalWanMixin:
             start_frame=start_frame,
             cache_tag=cache_tag,
             store_kv=store_kv,
+            attention_window=attention_window,
+            chunk_layout=chunk_layout,
         )
         device = hidden_states.device
         temb, timestep_proj = self._timestep_embedding(
@@ -721,6 +771,8 @@ class CausalWanMixin:
                 text_len=encoder_hidden_states.shape[1],
                 image_len=image_len,
                 attention_bias=float(attention_bias),
+                attention_window=attention_window,
+                chunk_layout=chunk_layout,
             )
             attention_inputs = self._attention_inputs(ctx, device, (post_h, post_w))
             if keys_before_rope:  # the queries at the positions the engines gave the call's frames
@@ -876,6 +928,9 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
         return_dict: bool = True,
         attention_kwargs: dict[str, Any] | None = None,
         kv_cache_attention_bias: float = 1.0,
+        # per-call attention layout (a rollout that attends under several windows: Rolling Forcing's)
+        attention_window: AttentionWindow | None = None,
+        chunk_layout: Sequence[int] | None = None,
     ) -> torch.Tensor | Transformer2DModelOutput:
         """Flow prediction for the latent frames ``[start_frame, start_frame + F)`` given the cached prefix.
 
@@ -895,6 +950,13 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
                 get ``log(bias)`` added (:meth:`CausalContext.biased_key_frames`), with or without a window, in
                 single- and multi-chunk calls: an additive float mask on the SDPA mask backend, a ``score_mod`` on
                 FlexAttention (:meth:`set_block_mask_backend`); 1 (default): no mask at all.
+            attention_window: the window this call attends under (an [`AttentionWindow`]: frames and sink) instead of
+                each engine's own; it must see only frames the engines hold (their window is then the holding window,
+                e.g. sink + recent frames for calls that attend under different windows), and the call evicts nothing
+                (stores still evict by the engines' windows). ``None`` (default): the engines' windows.
+            chunk_layout: frame counts of the call's causal chunks (summing to F), instead of the config's rule
+                (``chunk_size`` chunks, the first absorbing the remainder): ``(F,)`` makes the call one chunk whose
+                frames all see each other (no mask). ``None`` (default): the config's rule.
 
         Returns:
             ``(B, C_out, F, H, W)`` flow prediction, like ``WanTransformer3DModel``.
@@ -909,4 +971,6 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
             store_kv=store_kv,
             return_dict=return_dict,
             kv_cache_attention_bias=kv_cache_attention_bias,
+            attention_window=attention_window,
+            chunk_layout=chunk_layout,
         )

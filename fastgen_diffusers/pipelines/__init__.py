@@ -20,6 +20,7 @@ from .pipeline_wan_v2v_causal import VideoToVideoOptions, WanCausalVideoToVideoP
 from .pipeline_wan_vace_causal import WanCausalVACEPipeline, causal_transformer_from_wan_vace
 from .policy import RolloutPolicy, SequentialPolicy
 from .policy_recompute import RecomputePolicy
+from .policy_rolling import RollingPolicy
 from .policy_v2v import VideoChunkPlan, VideoToVideoPolicy
 from .records import ChunkOutput, ChunkRecord
 from .rollout import CausalRolloutMixin, RolloutRun
@@ -44,6 +45,7 @@ __all__ = [
     "MotionAwareStrength",
     "NoiseSource",
     "RecomputePolicy",
+    "RollingPolicy",
     "RolloutOptions",
     "RolloutPolicy",
     "RolloutRun",

@@ -144,7 +144,8 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         sink_frames (`int`, defaults to `0`):
             Stored default sink frames of the window.
         kv_cache_policy (`str`, *optional*):
-            Stored default KV cache policy (`"sequential"` or `"recompute"`, Krea's); `None` stores none.
+            Stored default KV cache policy (`"sequential"`, `"recompute"`, Krea's, or `"rolling"`, Rolling Forcing's;
+            a stored `"rolling"` serves text-to-video calls only); `None` stores none.
         context_frames (`int`, *optional*):
             Stored default clean frames the recompute policy re-encodes before each chunk.
         kv_cache_attention_bias (`float`, *optional*):
@@ -505,6 +506,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 Sliding attention window in latent frames (Self-Forcing's `local_attn_size`): a chunk attends to at
                 most this many frames, its own and the sink included, so memory and time per chunk stay flat.
                 Defaults to the pipeline's stored `attention_window` (none unless a converted student has one).
+                Under `kv_cache_policy="rolling"`: the frames one forward attends to (21 by default).
             sink_frames (`int`, *optional*):
                 First latent frames that stay inside the window for ever (Self-Forcing's `sink_size`); defaults to
                 the pipeline's stored `sink_frames` (0).
@@ -520,8 +522,14 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 over `context_frames` clean frames, an anchor frame plus the last `context_frames - 1`, at
                 RoPE positions from 0; the chunk then denoises right after them, so memory and positions stay
                 bounded). Not combinable with `attention_window` or `recache`; `keep_cache=True` keeps it for
-                `continue_rollout` / `redo_last_chunk` / `fork_rollout`. Defaults to the pipeline's stored
-                `kv_cache_policy`, if any.
+                `continue_rollout` / `redo_last_chunk` / `fork_rollout`. Or `"rolling"` (Rolling
+                Forcing, text-to-video): one forward denoises a window of as many chunks as denoising steps at
+                staggered noise levels (the oldest at the lowest), then writes the window's first chunk into the cache
+                at timestep 0; a chunk is finished when it leaves the window. Each forward attends to at most
+                `attention_window` latent frames (21), the first chunk (the anchor) included, re-positioned right
+                before the oldest cached frame it sees. Needs at least as many chunks as steps; not combinable with
+                `sink_frames`, `context_noise`, `first_chunk_timesteps`, prompt schedules, `keep_cache` or `recache`.
+                Defaults to the pipeline's stored `kv_cache_policy`, if any.
             context_frames (`int`, *optional*):
                 Latent frames of the recompute context (>= 1; Krea's `kv_cache_num_frames`, 3); needed by and only
                 allowed with `kv_cache_policy="recompute"`.

@@ -45,12 +45,13 @@ import torch
 
 from ..chunking import ChunkSpan
 from .policy import SequentialPolicy
+from .policy_rolling import ROLLING
 from .session import RolloutSession
 from .streaming_decode import StreamingWanDecoder
 from .streaming_encode import StreamingWanEncoder
 
 RECOMPUTE = "recompute"
-KV_CACHE_POLICIES = ("sequential", RECOMPUTE)
+KV_CACHE_POLICIES = ("sequential", RECOMPUTE, ROLLING)
 
 
 def check_recompute_inputs(

@@ -36,6 +36,7 @@ from .guard import exclusive_rollout, warn_discarding_kept_rollouts
 from .options import RolloutOptions
 from .policy import RolloutPolicy, SequentialPolicy
 from .policy_recompute import RECOMPUTE, RecomputePolicy, check_recompute_inputs
+from .policy_rolling import ANCHOR_POSITIONS, ROLLING, RollingPolicy, check_rolling_inputs
 from .prompts import PromptScheduleMixin
 from .records import ChunkOutput, ChunkRecord
 from .session import MAIN_BRANCH, RolloutSession, discard_branch, history_to_keep
@@ -202,16 +203,53 @@ class CausalRolloutMixin(PromptScheduleMixin):
     def select_policy(self, options: RolloutOptions) -> RolloutPolicy:
         """The [`RolloutPolicy`] that runs a call: the pipeline's ``default_policy`` (a policy option of the call,
         e.g. a recompute or rolling-window policy, is resolved here): ``kv_cache_policy="recompute"`` gives a
-        [`RecomputePolicy`] over ``context_frames`` with ``kv_cache_attention_bias``."""
+        [`RecomputePolicy`] over ``context_frames`` with ``kv_cache_attention_bias``, ``kv_cache_policy="rolling"`` a
+        [`RollingPolicy`] attending to ``attention_window`` frames per forward."""
+        policy = getattr(options, "kv_cache_policy", None)
         policy_class = getattr(self, "recompute_policy_class", RecomputePolicy)
-        if getattr(options, "kv_cache_policy", None) == RECOMPUTE and policy_class is not None:
+        if policy == RECOMPUTE and policy_class is not None:
             bias = 1.0 if options.kv_cache_attention_bias is None else float(options.kv_cache_attention_bias)
             return policy_class(
                 options.context_frames,
                 keep_first_frame=bool(getattr(options, "keep_first_frame", False)),
                 kv_cache_attention_bias=bias,
             )
+        if policy == ROLLING and self.supports_rolling():
+            return RollingPolicy(options.attention_window)
         return self.default_policy
+
+    def supports_rolling(self) -> bool:
+        """Whether ``kv_cache_policy="rolling"`` can drive this pipeline's rollouts: text-to-video ones (chunks
+        conditioned on text alone, sampled by the sequential default policy)."""
+        return (
+            type(self).prepare_conditioner is CausalRolloutMixin.prepare_conditioner
+            and type(self.default_policy) is SequentialPolicy
+        )
+
+    def check_rolling_rollout(
+        self, options: RolloutOptions, bounds: Sequence[tuple[int, int]], num_levels: int
+    ) -> RollingPolicy | None:
+        """The [`RollingPolicy`] of a ``kv_cache_policy="rolling"`` call (``None`` for any other), once the pipeline
+        and the chunking are checked to suit it (``ValueError`` before any work otherwise)."""
+        if options.kv_cache_policy != ROLLING:
+            return None
+        if not self.supports_rolling():
+            raise ValueError(
+                f"`kv_cache_policy='rolling'` drives text-to-video rollouts only; {type(self).__name__} conditions "
+                "its chunks (use `kv_cache_policy='sequential'`)."
+            )
+        table = self.transformer.config.rope_max_seq_len
+        if bounds[-1][1] > table:
+            raise ValueError(
+                f"`kv_cache_policy='rolling'` keeps absolute RoPE positions (only the anchor moves), so it serves at "
+                f"most {table} latent frames (`rope_max_seq_len`), got {bounds[-1][1]}; RoPE re-basing does not apply "
+                "to its keys, which are stored before RoPE. Ask for fewer `num_frames`."
+            )
+        policy = RollingPolicy(options.attention_window)
+        policy.check_plan(list(bounds), num_levels)
+        if options.kv_cache_engine is None:
+            policy.check_engines(self.transformer, bounds[0][1] - bounds[0][0])
+        return policy
 
     # ------------------------------------------------------------------ the prepare template
     def resolve_options(self, options: RolloutOptions) -> RolloutOptions:
@@ -224,7 +262,8 @@ class CausalRolloutMixin(PromptScheduleMixin):
           ones when a ``kv_cache_engine`` is configured.
         * a ``PipelineCallback``'s ``tensor_inputs``.
         * ``kv_cache_policy`` / ``context_frames`` / ``kv_cache_attention_bias``: the stored ones, when present and
-          the call names no other policy.
+          the call names no other policy (a stored ``"rolling"`` only where the pipeline can run it, text-to-video:
+          the other pipelines sample chunk by chunk).
         """
         config = self.config
         changes: dict[str, Any] = {}
@@ -253,6 +292,8 @@ class CausalRolloutMixin(PromptScheduleMixin):
             for name in ("kv_cache_policy", "context_frames", "kv_cache_attention_bias"):
                 if hasattr(options, name) and getattr(options, name) is None and config.get(name) is not None:
                     changes[name] = config.get(name)
+            if changes.get("kv_cache_policy") == ROLLING and not self.supports_rolling():
+                del changes["kv_cache_policy"]
         return replace(options, **changes)
 
     @staticmethod
@@ -280,6 +321,12 @@ class CausalRolloutMixin(PromptScheduleMixin):
         options = replace(options, prompt=prompt, prompt_embeds=prompt_embeds)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         shape = self.check_conditioning_inputs(options, batch_size)
+        check_rolling_inputs(
+            options.kv_cache_policy, attention_window=options.attention_window, sink_frames=options.sink_frames,
+            keep_cache=options.keep_cache, recache=options.recache, context_noise=options.context_noise,
+            first_chunk_timesteps=options.first_chunk_timesteps, prompt_schedule=prompt_schedule,
+            rope_positions=options.rope_positions, sink_update=options.sink_update,
+        )  # fmt: skip
         self.check_kv_cache_inputs(
             options.kv_cache_engine,
             options.attention_window,
@@ -298,6 +345,10 @@ class CausalRolloutMixin(PromptScheduleMixin):
         check_window_fits_chunks(options.attention_window, options.sink_frames, bounds)
         check_sink_update_fits_chunks(options.attention_window, options.sink_frames, options.sink_update, bounds)
         check_prompt_schedule(self, prompt_schedule, bounds, shape.num_reference_frames)
+        num_levels = len(
+            self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)["sigmas"]
+        )
+        rolling = self.check_rolling_rollout(options, bounds, num_levels)
 
         # 2. Encode input prompt
         device = self._execution_device
@@ -334,14 +385,19 @@ class CausalRolloutMixin(PromptScheduleMixin):
         switches = self.prompt_switch_chunks(prompt_switches, [(max(s - refs, 0), e - refs) for s, e in bounds])
         check_transition_embeds(options.prompt_transition_chunks, prompt_embeds, switches)
         cache_bounds = bounds
+        cache_window = (options.attention_window, options.sink_frames)
         if options.kv_cache_policy == RECOMPUTE:  # the cache never holds more than the context and one chunk
             cache_bounds = [(0, options.context_frames + max(end - start for start, end in bounds))]
+        position_options = kv_cache_position_options(options)
+        if rolling is not None:  # the anchor (first chunk) and the last frames, the anchor rotated at read time
+            window = rolling.engine_window(bounds[0][1] - bounds[0][0])
+            cache_window = (window.frames, window.sink)
+            position_options = {**position_options, "rope_positions": ANCHOR_POSITIONS}
         self.configure_kv_cache(
             options.kv_cache_engine,
-            options.attention_window,
-            options.sink_frames,
+            *cache_window,
             cache_bounds,
-            **kv_cache_position_options(options),
+            **position_options,
             kv_cache_dtype=options.kv_cache_dtype,
         )
         session = self.open_session(
@@ -360,7 +416,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         # the KV-cache attention bias of every denoising forward, whatever the policy and window (a recompute policy
         # sets its own)
         session.attention_bias = float(options.kv_cache_attention_bias or 1.0)
-        policy = self.select_policy(options)
+        policy = rolling or self.select_policy(options)
         return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
 
     def open_session(

@@ -169,8 +169,12 @@ class RolloutSession:
         cache_tag: str,
         store_kv: bool,
         step: int = 0,
+        call_options: Mapping[str, Any] | None = None,
     ) -> torch.Tensor:
-        """One transformer forward of ``span``: ``(B, C, F, H, W)`` float32 latents to the flow prediction."""
+        """One transformer forward of ``span``: ``(B, C, F, H, W)`` float32 latents to the flow prediction.
+
+        ``call_options``: extra transformer keyword arguments a policy decides per forward (its own
+        ``attention_window``, ``chunk_layout``)."""
         model_kwargs = {"hidden_states": latents, "encoder_hidden_states": self.embeds_of(cache_tag)}
         model_kwargs.update(
             self.conditioner.model_inputs(span, latents, cache_tag=cache_tag, store_kv=store_kv, step=step)
@@ -178,6 +182,7 @@ class RolloutSession:
         model_kwargs["hidden_states"] = model_kwargs["hidden_states"].to(self.transformer.dtype)
         if self.attention_bias != 1.0 and not store_kv:
             model_kwargs["kv_cache_attention_bias"] = self.attention_bias
+        model_kwargs.update(call_options or {})
         return self.transformer(
             timestep=self.conditioner.timestep(span, timestep),
             start_frame=span.start,
@@ -188,14 +193,21 @@ class RolloutSession:
             **model_kwargs,
         )[0]
 
-    def guided_flow(self, span: ChunkSpan, latents: torch.Tensor, timestep: torch.Tensor, step: int) -> torch.Tensor:
+    def guided_flow(
+        self,
+        span: ChunkSpan,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        step: int,
+        call_options: Mapping[str, Any] | None = None,
+    ) -> torch.Tensor:
         """The flow of a denoising forward, with classifier-free guidance when the session has an unconditional
         branch (``v_neg + g * (v - v_neg)``)."""
-        flow = self.forward(span, latents, timestep, cache_tag=self.cache_tags[0], store_kv=False, step=step)
+        options = {"step": step, "call_options": call_options}
+        flow = self.forward(span, latents, timestep, cache_tag=self.cache_tags[0], store_kv=False, **options)
         if len(self.cache_tags) > 1:
-            flow_uncond = self.forward(
-                span, latents, timestep, cache_tag=self.cache_tags[1], store_kv=False, step=step
-            )
+            uncond_tag = self.cache_tags[1]
+            flow_uncond = self.forward(span, latents, timestep, cache_tag=uncond_tag, store_kv=False, **options)
             flow = flow_uncond + self.guidance_scale * (flow - flow_uncond)
         return flow
 
