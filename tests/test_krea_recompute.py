@@ -314,21 +314,19 @@ def test_bad_recompute_arguments_raise(pipe, kwargs, message):
 
 def test_stored_config_defaults(pipe):
     """A pipeline config holding the recompute settings (a converted Krea student) fills what a call leaves out."""
-    from types import SimpleNamespace
-
+    from fastgen_diffusers import WanCausalPipeline
     from fastgen_diffusers.pipelines.options import RolloutOptions
-    from fastgen_diffusers.pipelines.rollout import CausalRolloutMixin
 
     stored = {"kv_cache_policy": "recompute", "context_frames": 3, "kv_cache_attention_bias": 0.3}
-    host = SimpleNamespace(config=stored, default_policy=CausalRolloutMixin.default_policy)
-    resolved = CausalRolloutMixin.resolve_options(host, RolloutOptions(prompt="a"))
+    host = WanCausalPipeline(**pipe.components, **stored)
+    resolved = host.resolve_options(RolloutOptions(prompt="a"))
     assert resolved.kv_cache_policy == "recompute"
     assert (resolved.context_frames, resolved.kv_cache_attention_bias) == (3, 0.3)
-    policy = CausalRolloutMixin.select_policy(host, resolved)
+    policy = host.select_policy(resolved)
     assert isinstance(policy, RecomputePolicy) and policy.context_frames == 3 and policy.kv_cache_attention_bias == 0.3
     call = RolloutOptions(prompt="a", context_frames=5, kv_cache_attention_bias=1.0)
-    resolved = CausalRolloutMixin.resolve_options(host, call)
+    resolved = host.resolve_options(call)
     assert (resolved.context_frames, resolved.kv_cache_attention_bias) == (5, 1.0)  # the call's own values win
     # no stored settings: the sequential default
-    plain = CausalRolloutMixin.resolve_options(SimpleNamespace(config={}), RolloutOptions(prompt="a"))
-    assert plain.kv_cache_policy is None and CausalRolloutMixin.select_policy(pipe, plain) is pipe.default_policy
+    plain = pipe.resolve_options(RolloutOptions(prompt="a"))
+    assert plain.kv_cache_policy is None and pipe.select_policy(plain) is pipe.default_policy

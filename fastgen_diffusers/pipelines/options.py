@@ -57,7 +57,7 @@ class RolloutOptions:
     # 8-bit KV cache (#15 §5): storage dtype of the self K/V (None: the compute dtype)
     kv_cache_dtype: torch.dtype | str | None = None
     # Krea's re-encoded anchor (recompute) and prompt transitions (issue #14)
-    keep_first_frame: bool = False
+    keep_first_frame: bool | None = None
     prompt_transition_chunks: int = 0
 
 

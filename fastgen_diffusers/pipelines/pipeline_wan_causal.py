@@ -156,6 +156,9 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             Stored default sink update (`"ema"`: Reward Forcing's).
         sink_decay (`float`, defaults to `0.999`):
             Stored default decay of the EMA sink.
+        keep_first_frame (`bool`, defaults to `False`):
+            Stored default anchor of the recompute policy (`True`: the first latent frame for ever; `False`: Krea's
+            re-encoded anchor).
 
     A pipeline runs one rollout at a time: its KV caches live in the transformer. A call while a `stream()` of the same
     pipeline (or of one sharing its transformer) is open, or from a second thread while one runs, raises a
@@ -185,6 +188,8 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         rope_positions: str = "absolute",
         sink_update: str = "fixed",
         sink_decay: float = 0.999,
+        # Krea's re-encoded anchor (recompute)
+        keep_first_frame: bool = False,
     ):
         super().__init__()
         if transformer is not None and not isinstance(transformer, self._transformer_class):
@@ -210,6 +215,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             rope_positions=rope_positions,
             sink_update=sink_update,
             sink_decay=sink_decay,
+            keep_first_frame=keep_first_frame,
         )
         self._init_rollout_state()
         self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal if getattr(self, "vae", None) else 4
@@ -427,7 +433,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         # 8-bit KV cache (#15 §5)
         kv_cache_dtype: torch.dtype | str | None = None,
         # Krea's re-encoded anchor (recompute) and prompt transitions (issue #14)
-        keep_first_frame: bool = False,
+        keep_first_frame: bool | None = None,
         prompt_transition_chunks: int = 0,
     ) -> WanPipelineOutput | tuple:
         r"""
@@ -555,11 +561,12 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 `"int8"`) stores the self-attention K/V of finished chunks in 1 byte per element with one float32 scale
                 per sample, frame and head, dequantized on read (about 4x less cache memory than float32, 2x less than
                 bfloat16; a small output error, see the README). Needs a `kv_cache_engine`.
-            keep_first_frame (`bool`, defaults to `False`):
+            keep_first_frame (`bool`, *optional*):
                 Recompute only (Krea's `keep_first_frame`): keep the video's first latent frame as the context's
-                anchor for ever. By default, once `frames_done - chunk_frames >= context_frames`, the anchor is the
+                anchor for ever. Otherwise, once `frames_done - chunk_frames >= context_frames`, the anchor is the
                 VAE re-encoding of the first of the last `1 + (context_frames - 1) * 4` decoded frames (Krea's and
                 scope's rule); the chunks are then decoded as they finish (once: the output reuses those frames).
+                Defaults to the pipeline's stored `keep_first_frame` under its stored recompute policy, else `False`.
             prompt_transition_chunks (`int`, defaults to `0`):
                 Blend each prompt switch of a prompt schedule in linearly over this many chunks (Krea's prompt
                 interpolation): chunk `k = 0 .. N-1` from the switch is conditioned on `lerp(old, new, (k+1)/N)`,

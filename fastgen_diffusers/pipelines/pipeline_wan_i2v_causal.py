@@ -171,11 +171,13 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         rope_positions: str = "absolute",
         sink_update: str = "fixed",
         sink_decay: float = 0.999,
+        # Krea's re-encoded anchor (recompute)
+        keep_first_frame: bool = False,
     ):
         super().__init__(
             tokenizer, text_encoder, vae, scheduler, transformer, timesteps, context_noise, first_chunk_timesteps,
             attention_window, sink_frames, kv_cache_policy, context_frames, kv_cache_attention_bias,
-            rope_positions, sink_update, sink_decay,
+            rope_positions, sink_update, sink_decay, keep_first_frame,
         )  # fmt: skip
         self.register_modules(image_processor=image_processor, image_encoder=image_encoder)
         self.register_to_config(expand_timesteps=expand_timesteps)
@@ -447,6 +449,12 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         sink_decay: float | None = None,
         # 8-bit KV cache (#15 §5)
         kv_cache_dtype: torch.dtype | str | None = None,
+        # KV cache policy, attention bias and prompt transitions (issue #14): conditioned chunks sample sequentially
+        kv_cache_policy: str | None = None,
+        context_frames: int | None = None,
+        kv_cache_attention_bias: float | None = None,
+        keep_first_frame: bool | None = None,
+        prompt_transition_chunks: int = 0,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -533,6 +541,13 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 Window-relative RoPE and the EMA sink, as in [`WanCausalPipeline.__call__`].
             kv_cache_dtype (`torch.dtype` or `str`, *optional*):
                 8-bit KV cache (`torch.float8_e4m3fn` or `torch.int8`), as in [`WanCausalPipeline.__call__`].
+            kv_cache_policy (`str`, *optional*), context_frames (`int`, *optional*), \
+            keep_first_frame (`bool`, *optional*):
+                Only `"sequential"` (or `None`): this pipeline conditions its chunks by frame, which the recompute
+                and rolling policies do not follow (refused before any work; a stored policy of theirs is left
+                out, with its settings).
+            kv_cache_attention_bias (`float`, *optional*), prompt_transition_chunks (`int`, defaults to `0`):
+                The attention bias on cached frames and blended prompt switches, as in [`WanCausalPipeline.__call__`].
 
         Examples:
 
@@ -577,5 +592,10 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 sink_update=sink_update,
                 sink_decay=sink_decay,
                 kv_cache_dtype=kv_cache_dtype,
+                kv_cache_policy=kv_cache_policy,
+                context_frames=context_frames,
+                kv_cache_attention_bias=kv_cache_attention_bias,
+                keep_first_frame=keep_first_frame,
+                prompt_transition_chunks=prompt_transition_chunks,
             )
         )

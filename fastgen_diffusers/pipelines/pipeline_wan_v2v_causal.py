@@ -23,7 +23,7 @@ schedule ([`VideoToVideoSource`], [`VideoToVideoPolicy`]), attending to the KV c
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -32,11 +32,11 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils import logging, replace_example_docstring
 
 from ..chunking import chunk_bounds
+from .arguments import require_transformer
 from .conditioning import Conditioner
 from .guard import exclusive_rollout
 from .options import RolloutOptions
 from .pipeline_wan_causal import WanCausalPipeline
-from .policy_recompute import RECOMPUTE, check_recompute_inputs
 from .policy_v2v import RecomputeVideoToVideoPolicy, VideoChunkPlan, VideoToVideoPolicy
 from .rollout import (
     RolloutRun,
@@ -44,7 +44,6 @@ from .rollout import (
     check_sink_update_fits_chunks,
     check_transition_embeds,
     check_window_fits_chunks,
-    kv_cache_position_options,
 )
 from .session import history_to_keep
 from .streaming_encode import StreamingWanEncoder
@@ -166,41 +165,33 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 f"{expected[3]}) (B, C, F, H, W), got {got}."
             )
 
+    def validate_options(self, options: VideoToVideoOptions) -> VideoToVideoOptions:
+        """The call's options with every argument's type and values checked ([`validate_call_arguments`], the
+        table every pipeline uses) before any work; ``video`` (frames or a live iterator) is checked as its frames
+        are read ([`VideoChunker`])."""
+        require_transformer(self)
+        arguments = {field.name: getattr(options, field.name) for field in fields(options) if field.name != "video"}
+        return replace(options, **validate_call_arguments(arguments))
+
     @torch.no_grad()
     def prepare_rollout(self, options: VideoToVideoOptions) -> RolloutRun:
         """Check every input before any model work (reading an iterator's first chunk of frames to do so), encode the
         prompts, configure the KV cache and open the session; the video itself is read, encoded and noised chunk by
         chunk while the rollout runs."""
-        options = self.resolve_options(options)
+        options = self.resolve_options(self.validate_options(options))
 
         # 1. Check inputs. Raise error if not correct
         prompt, prompt_embeds, prompt_schedule = self.split_prompt_schedule(options.prompt, options.prompt_embeds)
         options = replace(options, prompt=prompt, prompt_embeds=prompt_embeds)
         if options.keep_cache:
             raise ValueError("`keep_cache` is not supported for video-to-video: its input cannot be continued.")
-        validate_call_arguments(
-            {
-                "keep_first_frame": options.keep_first_frame,
-                "prompt_transition_chunks": options.prompt_transition_chunks,
-            }
-        )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         strength = StrengthSchedule(options.strength)
         chunker = self.video_chunker(options)
         known = chunker.num_chunks is not None
         num_frames = chunker.num_used_frames if known else chunker.chunk_num_frames(0)
         shape = RolloutShape(chunker.height, chunker.width, num_frames)
-        self.check_kv_cache_inputs(
-            options.kv_cache_engine,
-            options.attention_window,
-            options.sink_frames,
-            **kv_cache_position_options(options),
-            kv_cache_dtype=options.kv_cache_dtype,
-        )
-        check_recompute_inputs(
-            options.kv_cache_policy, options.context_frames, options.attention_window, options.sink_frames,
-            options.keep_cache, options.recache, options.kv_cache_attention_bias, options.keep_first_frame,
-        )  # fmt: skip
+        self.check_policy_inputs(options, prompt_schedule)
         self.check_inputs(replace(options, latents=None, num_frames=num_frames), shape, batch_size)
         self.check_noise(options.latents, shape, batch_size, known)
         bounds = self.video_chunk_bounds(chunker, max(prompt_schedule, default=0))
@@ -234,17 +225,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         )
 
         # 4. Fresh KV-cache engines (sized for a list; a static engine grows for a live video) and the session
-        cache_bounds = bounds if known else bounds[:1]
-        if options.kv_cache_policy == RECOMPUTE:  # the cache never holds more than the context and one chunk
-            cache_bounds = [(0, options.context_frames + max(end - start for start, end in bounds))]
-        self.configure_kv_cache(
-            options.kv_cache_engine,
-            options.attention_window,
-            options.sink_frames,
-            cache_bounds,
-            **kv_cache_position_options(options),
-            kv_cache_dtype=options.kv_cache_dtype,
-        )
+        self.configure_rollout_cache(options, bounds, open_ended=not known)
         session = self.open_session(
             Conditioner(),
             prompt_embeds,
@@ -321,7 +302,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         kv_cache_policy: str | None = None,
         context_frames: int | None = None,
         kv_cache_attention_bias: float | None = None,
-        keep_first_frame: bool = False,
+        keep_first_frame: bool | None = None,
         prompt_transition_chunks: int = 0,
     ) -> WanPipelineOutput | tuple:
         r"""
@@ -353,7 +334,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 `latents[:, :, s:e]`); `F` the video's latent frames for a list, at least the first chunk's for an
                 iterator (whose video must not outgrow it). Defaults to fresh noise from `generator`, chunk by chunk.
             kv_cache_policy (`str`, *optional*), context_frames (`int`, *optional*), \
-            kv_cache_attention_bias (`float`, *optional*), keep_first_frame (`bool`, defaults to `False`):
+            kv_cache_attention_bias (`float`, *optional*), keep_first_frame (`bool`, *optional*):
                 Krea's recompute, as in [`WanCausalPipeline.__call__`] (what Krea's server runs on a webcam): each
                 input chunk, noised to its strength, denoises after a cache rebuilt over `context_frames` clean
                 frames of the output (the anchor re-encoded from the decoded output unless `keep_first_frame`).

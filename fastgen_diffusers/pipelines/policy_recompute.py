@@ -62,10 +62,15 @@ def check_recompute_inputs(
     keep_cache: bool,
     recache: bool,
     kv_cache_attention_bias: float | None = None,
-    keep_first_frame: bool = False,
+    keep_first_frame: bool | None = False,
+    *,
+    rope_positions: str | None = None,
+    sink_update: str | None = None,
 ) -> None:
     """Raise ``ValueError`` for a ``kv_cache_policy`` / ``context_frames`` / bias / ``keep_first_frame``
-    combination the policies cannot serve (``keep_cache`` is accepted: a kept recompute rollout continues)."""
+    combination the policies cannot serve (``keep_cache`` is accepted: a kept recompute rollout continues), and for
+    positions modes or sink updates the recompute policy has no use for (it rebuilds the cache at positions from 0
+    before every chunk: no window, no sink)."""
     if kv_cache_policy is not None and kv_cache_policy not in KV_CACHE_POLICIES:
         raise ValueError(f"`kv_cache_policy` must be one of {KV_CACHE_POLICIES} or None, got {kv_cache_policy!r}.")
     recompute = kv_cache_policy == RECOMPUTE
@@ -89,6 +94,12 @@ def check_recompute_inputs(
         raise ValueError(
             "`kv_cache_policy='recompute'` bounds the cache itself: it cannot be combined with `attention_window` / "
             "`sink_frames`."
+        )
+    if rope_positions not in (None, "absolute") or sink_update not in (None, "fixed"):
+        raise ValueError(
+            "`kv_cache_policy='recompute'` rebuilds the cache at RoPE positions from 0 before every chunk (positions "
+            "stay below context + chunk) and keeps no sink: `rope_positions` must be 'absolute' and `sink_update` "
+            f"'fixed', got {rope_positions!r} / {sink_update!r}."
         )
     if recache:
         raise ValueError(

@@ -16,6 +16,7 @@ Layers (each a module of this package, imported one way: pipelines -> session/po
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,7 +36,7 @@ from .conditioning import Conditioner
 from .guard import exclusive_rollout, warn_discarding_kept_rollouts
 from .options import RolloutOptions
 from .policy import RolloutPolicy, SequentialPolicy
-from .policy_recompute import RECOMPUTE, RecomputePolicy, check_recompute_inputs
+from .policy_recompute import KV_CACHE_POLICIES, RECOMPUTE, RecomputePolicy, check_recompute_inputs
 from .policy_rolling import ANCHOR_POSITIONS, ROLLING, RollingPolicy, check_rolling_inputs
 from .prompts import PromptScheduleMixin
 from .records import ChunkOutput, ChunkRecord
@@ -55,6 +56,8 @@ __all__ = [
     "kv_cache_position_options",
 ]
 
+# the stored settings of a call's KV cache policy (resolve_options: filled where a call leaves them out)
+STORED_POLICY_SETTINGS = ("kv_cache_policy", "context_frames", "kv_cache_attention_bias", "keep_first_frame")
 # window-relative RoPE and EMA sink (Reward Forcing): the engine options a call may set, and their defaults
 KV_CACHE_POSITION_DEFAULTS = {"rope_positions": "absolute", "sink_update": "fixed", "sink_decay": 0.999}
 
@@ -204,12 +207,12 @@ class CausalRolloutMixin(PromptScheduleMixin):
         """The [`RolloutPolicy`] that runs a call: the pipeline's ``default_policy`` (a policy option of the call,
         e.g. a recompute or rolling-window policy, is resolved here): ``kv_cache_policy="recompute"`` gives a
         [`RecomputePolicy`] over ``context_frames`` with ``kv_cache_attention_bias``, ``kv_cache_policy="rolling"`` a
-        [`RollingPolicy`] attending to ``attention_window`` frames per forward."""
+        [`RollingPolicy`] attending to ``attention_window`` frames per forward. A policy the pipeline cannot run is
+        refused before any work ([`check_policy_inputs`])."""
         policy = getattr(options, "kv_cache_policy", None)
-        policy_class = getattr(self, "recompute_policy_class", RecomputePolicy)
-        if policy == RECOMPUTE and policy_class is not None:
+        if policy == RECOMPUTE and self.supports_recompute():
             bias = 1.0 if options.kv_cache_attention_bias is None else float(options.kv_cache_attention_bias)
-            return policy_class(
+            return self.recompute_policy_class(
                 options.context_frames,
                 keep_first_frame=bool(getattr(options, "keep_first_frame", False)),
                 kv_cache_attention_bias=bias,
@@ -218,12 +221,76 @@ class CausalRolloutMixin(PromptScheduleMixin):
             return RollingPolicy(options.attention_window)
         return self.default_policy
 
+    def conditions_chunks(self) -> bool:
+        """Whether the pipeline conditions its chunks by frame (an image, a clip, a control video: its own
+        ``prepare_conditioner``): a forward's conditioning is read at the forward's frames."""
+        return type(self).prepare_conditioner is not CausalRolloutMixin.prepare_conditioner
+
     def supports_rolling(self) -> bool:
         """Whether ``kv_cache_policy="rolling"`` can drive this pipeline's rollouts: text-to-video ones (chunks
         conditioned on text alone, sampled by the sequential default policy)."""
-        return (
-            type(self).prepare_conditioner is CausalRolloutMixin.prepare_conditioner
-            and type(self.default_policy) is SequentialPolicy
+        return not self.conditions_chunks() and type(self.default_policy) is SequentialPolicy
+
+    def supports_recompute(self) -> bool:
+        """Whether ``kv_cache_policy="recompute"`` can drive this pipeline's rollouts: chunks conditioned on text
+        alone (text-to-video, video-to-video). The recompute policy runs a chunk's forwards at the positions right
+        after its context, not at its frames, so conditioning read by frame (image, control video) would be
+        misplaced."""
+        return self.recompute_policy_class is not None and not self.conditions_chunks()
+
+    def supports_policy(self, kv_cache_policy: str | None) -> bool:
+        """Whether this pipeline can run ``kv_cache_policy`` (``None`` and ``"sequential"``: always)."""
+        if kv_cache_policy == ROLLING:
+            return self.supports_rolling()
+        if kv_cache_policy == RECOMPUTE:
+            return self.supports_recompute()
+        return True
+
+    def supports_attention_bias(self) -> bool:
+        """Whether the transformer takes ``kv_cache_attention_bias`` (the causal VACE transformer does not)."""
+        transformer = getattr(self, "transformer", None)
+        if transformer is None:
+            return False
+        return "kv_cache_attention_bias" in inspect.signature(type(transformer).forward).parameters
+
+    def supported_policies(self) -> tuple[str | None, ...]:
+        """The ``kv_cache_policy`` values this pipeline accepts."""
+        return (None, *(policy for policy in KV_CACHE_POLICIES if self.supports_policy(policy)))
+
+    def check_policy_inputs(self, options: RolloutOptions, prompt_schedule: Mapping[int, Any] | None) -> None:
+        """Raise ``ValueError`` (before any work) for a ``kv_cache_policy`` this pipeline cannot run, or policy and
+        KV-cache options that do not go together: the policies' checks first (so that the message names the
+        policy), then the engines' ([`check_kv_cache_inputs`])."""
+        policy = options.kv_cache_policy
+        if policy in KV_CACHE_POLICIES and not self.supports_policy(policy):
+            kind = "conditions its chunks by frame" if self.conditions_chunks() else "samples chunk by chunk"
+            raise ValueError(
+                f"`kv_cache_policy={policy!r}` drives text-to-video rollouts only (and video-to-video ones under "
+                f"'recompute'); {type(self).__name__} {kind}. Accepted here: {self.supported_policies()}."
+            )
+        bias = options.kv_cache_attention_bias
+        if bias is not None and bias != 1 and not self.supports_attention_bias():
+            raise ValueError(
+                f"`kv_cache_attention_bias={bias!r}` is not supported by {type(self).__name__}: its transformer "
+                f"({type(self.transformer).__name__}) takes no attention bias. Accepted here: None or 1."
+            )
+        check_recompute_inputs(
+            policy, options.context_frames, options.attention_window, options.sink_frames, options.keep_cache,
+            options.recache, options.kv_cache_attention_bias, options.keep_first_frame,
+            rope_positions=options.rope_positions, sink_update=options.sink_update,
+        )  # fmt: skip
+        check_rolling_inputs(
+            policy, attention_window=options.attention_window, sink_frames=options.sink_frames,
+            keep_cache=options.keep_cache, recache=options.recache, context_noise=options.context_noise,
+            first_chunk_timesteps=options.first_chunk_timesteps, prompt_schedule=prompt_schedule,
+            rope_positions=options.rope_positions, sink_update=options.sink_update,
+        )  # fmt: skip
+        self.check_kv_cache_inputs(
+            options.kv_cache_engine,
+            options.attention_window,
+            options.sink_frames,
+            **kv_cache_position_options(options),
+            kv_cache_dtype=options.kv_cache_dtype,
         )
 
     def check_rolling_rollout(
@@ -233,11 +300,6 @@ class CausalRolloutMixin(PromptScheduleMixin):
         and the chunking are checked to suit it (``ValueError`` before any work otherwise)."""
         if options.kv_cache_policy != ROLLING:
             return None
-        if not self.supports_rolling():
-            raise ValueError(
-                f"`kv_cache_policy='rolling'` drives text-to-video rollouts only; {type(self).__name__} conditions "
-                "its chunks (use `kv_cache_policy='sequential'`)."
-            )
         table = self.transformer.config.rope_max_seq_len
         if bounds[-1][1] > table:
             raise ValueError(
@@ -261,9 +323,10 @@ class CausalRolloutMixin(PromptScheduleMixin):
         * ``attention_window`` / ``sink_frames`` / ``rope_positions`` / ``sink_update`` / ``sink_decay``: the stored
           ones when a ``kv_cache_engine`` is configured.
         * a ``PipelineCallback``'s ``tensor_inputs``.
-        * ``kv_cache_policy`` / ``context_frames`` / ``kv_cache_attention_bias``: the stored ones, when present and
-          the call names no other policy (a stored ``"rolling"`` only where the pipeline can run it, text-to-video:
-          the other pipelines sample chunk by chunk).
+        * ``kv_cache_policy`` / ``context_frames`` / ``kv_cache_attention_bias`` / ``keep_first_frame``: the stored
+          ones, when present, the call names no other policy and the pipeline can run the stored one (a stored
+          ``"rolling"`` serves text-to-video, a stored ``"recompute"`` text- and video-to-video; the image-to-video
+          and VACE pipelines then sample sequentially, without the stored policy's settings).
         """
         config = self.config
         changes: dict[str, Any] = {}
@@ -285,15 +348,19 @@ class CausalRolloutMixin(PromptScheduleMixin):
         for name, default in KV_CACHE_POSITION_DEFAULTS.items():
             if hasattr(options, name) and getattr(options, name) is None:
                 changes[name] = config.get(name, default) if stored else default
-        # A call naming its own policy (say "sequential" over a stored "recompute") takes none of the stored
-        # recompute settings; otherwise the stored ones fill what the call leaves out.
-        own_policy = getattr(options, "kv_cache_policy", None)
-        if own_policy is None or own_policy == config.get("kv_cache_policy"):
-            for name in ("kv_cache_policy", "context_frames", "kv_cache_attention_bias"):
-                if hasattr(options, name) and getattr(options, name) is None and config.get(name) is not None:
+        # A call naming its own policy (say "sequential" over a stored "recompute") takes none of the stored policy
+        # settings, nor does a pipeline that cannot run the stored policy (a stored "recompute" or "rolling" on the
+        # image-to-video or VACE pipeline: it samples sequentially); otherwise the stored ones fill what the call
+        # leaves out (Krea's re-encoded anchor or `keep_first_frame` only under the recompute policy).
+        own_policy, stored_policy = options.kv_cache_policy, config.get("kv_cache_policy")
+        if (own_policy is None or own_policy == stored_policy) and self.supports_policy(stored_policy):
+            for name in STORED_POLICY_SETTINGS:
+                if name == "kv_cache_attention_bias" and not self.supports_attention_bias():
+                    continue
+                if getattr(options, name) is None and config.get(name) is not None:
                     changes[name] = config.get(name)
-            if changes.get("kv_cache_policy") == ROLLING and not self.supports_rolling():
-                del changes["kv_cache_policy"]
+            if changes.get("kv_cache_policy", own_policy) != RECOMPUTE:
+                changes.pop("keep_first_frame", None)
         return replace(options, **changes)
 
     @staticmethod
@@ -321,23 +388,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         options = replace(options, prompt=prompt, prompt_embeds=prompt_embeds)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         shape = self.check_conditioning_inputs(options, batch_size)
-        check_rolling_inputs(
-            options.kv_cache_policy, attention_window=options.attention_window, sink_frames=options.sink_frames,
-            keep_cache=options.keep_cache, recache=options.recache, context_noise=options.context_noise,
-            first_chunk_timesteps=options.first_chunk_timesteps, prompt_schedule=prompt_schedule,
-            rope_positions=options.rope_positions, sink_update=options.sink_update,
-        )  # fmt: skip
-        self.check_kv_cache_inputs(
-            options.kv_cache_engine,
-            options.attention_window,
-            options.sink_frames,
-            **kv_cache_position_options(options),
-            kv_cache_dtype=options.kv_cache_dtype,
-        )
-        check_recompute_inputs(
-            options.kv_cache_policy, options.context_frames, options.attention_window, options.sink_frames,
-            options.keep_cache, options.recache, options.kv_cache_attention_bias, options.keep_first_frame,
-        )  # fmt: skip
+        self.check_policy_inputs(options, prompt_schedule)
         self.check_inputs(options, shape, batch_size)
         num_latent_frames = (shape.num_frames - 1) // self.vae_scale_factor_temporal + 1
         bounds = self.rollout_chunk_bounds(num_latent_frames, options.chunk_size)
@@ -384,22 +435,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
         refs = shape.num_reference_frames
         switches = self.prompt_switch_chunks(prompt_switches, [(max(s - refs, 0), e - refs) for s, e in bounds])
         check_transition_embeds(options.prompt_transition_chunks, prompt_embeds, switches)
-        cache_bounds = bounds
-        cache_window = (options.attention_window, options.sink_frames)
-        if options.kv_cache_policy == RECOMPUTE:  # the cache never holds more than the context and one chunk
-            cache_bounds = [(0, options.context_frames + max(end - start for start, end in bounds))]
-        position_options = kv_cache_position_options(options)
-        if rolling is not None:  # the anchor (first chunk) and the last frames, the anchor rotated at read time
-            window = rolling.engine_window(bounds[0][1] - bounds[0][0])
-            cache_window = (window.frames, window.sink)
-            position_options = {**position_options, "rope_positions": ANCHOR_POSITIONS}
-        self.configure_kv_cache(
-            options.kv_cache_engine,
-            *cache_window,
-            cache_bounds,
-            **position_options,
-            kv_cache_dtype=options.kv_cache_dtype,
-        )
+        self.configure_rollout_cache(options, bounds, rolling=rolling)
         session = self.open_session(
             conditioner,
             prompt_embeds,
@@ -693,6 +729,35 @@ class CausalRolloutMixin(PromptScheduleMixin):
             kv_cache_dtype=kv_cache_dtype,
         )
         self.transformer.set_kv_cache_engines(engines)
+
+    def configure_rollout_cache(
+        self,
+        options: RolloutOptions,
+        bounds: Sequence[tuple[int, int]],
+        *,
+        rolling: RollingPolicy | None = None,
+        open_ended: bool = False,
+    ) -> None:
+        """[`configure_kv_cache`] for a call's rollout of chunks ``bounds`` under its policy: sized for the whole
+        rollout (``open_ended``: for the first chunk, a live video whose length is unknown; a static engine grows),
+        for the context and one chunk under ``kv_cache_policy="recompute"`` (the cache never holds more), or for the
+        anchor and the last ``attention_window`` frames of a ``rolling`` policy (the anchor rotated at read time)."""
+        cache_bounds = list(bounds[:1] if open_ended else bounds)
+        cache_window = (options.attention_window, options.sink_frames)
+        if options.kv_cache_policy == RECOMPUTE:
+            cache_bounds = [(0, options.context_frames + max(end - start for start, end in bounds))]
+        position_options = kv_cache_position_options(options)
+        if rolling is not None:
+            window = rolling.engine_window(bounds[0][1] - bounds[0][0])
+            cache_window = (window.frames, window.sink)
+            position_options = {**position_options, "rope_positions": ANCHOR_POSITIONS}
+        self.configure_kv_cache(
+            options.kv_cache_engine,
+            *cache_window,
+            cache_bounds,
+            **position_options,
+            kv_cache_dtype=options.kv_cache_dtype,
+        )
 
     @staticmethod
     def check_kv_cache_inputs(
