@@ -289,7 +289,13 @@ def test_one_policy_object_serves_interleaved_rollouts():
             chunks[index].append(chunk.latents)
     for index in range(2):
         assert torch.equal(torch.cat(chunks[index], 2), alone[index])
-    assert set(vars(policy)) == {"context_frames", "keep_first_frame", "anchor", "kv_cache_attention_bias"}
+    assert set(vars(policy)) == {
+        "context_frames",
+        "keep_first_frame",
+        "anchor",
+        "kv_cache_attention_bias",
+        "output_frames",
+    }
 
 
 @pytest.mark.parametrize(

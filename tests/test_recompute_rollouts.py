@@ -84,6 +84,34 @@ def test_stream_with_the_reencoded_anchor_equals_the_call(pipe):
     assert np.array_equal(keep[:, :21], called[:, :21]) and not np.array_equal(keep, called)
 
 
+@pytest.mark.parametrize(("num_frames", "decoded"), [(21, []), (45, [3, 3, 3]), (57, [3, 3, 3, 3])])
+def test_latent_output_decodes_only_the_chunks_a_reencode_reads(pipe, num_frames, decoded):
+    """With ``output_type="latent"`` (and no kept rollout) a chunk is decoded only when a later re-encode reads its
+    frames: none in 2 chunks (the anchor never leaves the context), not the last one otherwise (before: every chunk).
+    The latents equal those of a run that outputs frames (which decodes every chunk)."""
+    from fastgen_diffusers.pipelines import streaming_decode
+
+    options = {**CALL, **RECOMPUTE, "num_frames": num_frames}
+    expected = [c.latents for c in pipe.stream(generator=torch.Generator().manual_seed(0), **options)]
+    decodes, decode = [], streaming_decode.StreamingWanDecoder.decode
+
+    def counting(self, z):
+        decodes.append(z.shape[2])
+        return decode(self, z)
+
+    streaming_decode.StreamingWanDecoder.decode = counting
+    try:
+        latents = pipe(generator=torch.Generator().manual_seed(0), **{**options, "output_type": "latent"}).frames
+        assert decodes == decoded
+        decodes.clear()
+        pipe(generator=torch.Generator().manual_seed(0), keep_cache=True, **{**options, "output_type": "latent"})
+        assert decodes == [3] * len(expected)  # a kept rollout decodes every chunk: a continuation re-encodes
+    finally:
+        streaming_decode.StreamingWanDecoder.decode = decode
+        pipe.discard_rollout()
+    assert torch.equal(latents, torch.cat(expected, dim=2))
+
+
 # ---------------------------------------------------------------------------------------------- video-to-video
 def clip(num_frames: int = 45) -> list[np.ndarray]:
     rng = np.random.default_rng(0)

@@ -14,6 +14,7 @@ for each chunk [start, end) of the plan:
         v = transformer(x, t, text, start_frame=C or 0, cache_tag)                     # positions C .. C+n-1
         x = scheduler.step(v, t, x)
     decode x with the streamed VAE decoder; keep the last 1 + (C - 1) * 4 decoded frames  # the anchor's source
+    # (only while a later re-encode reads them or the frames are the output)
     yield ChunkRecord(chunk_index, start, end, x, pixels=decoded)                         # no cache pass after it
 ```
 
@@ -27,9 +28,10 @@ frames, encoded alone with a fresh VAE encoder cache and normalised with the VAE
 ``get_context_frames``, Krea's ``get_clean_context_frames``; with 3-frame chunks and context 3: decoded frame 12
 before chunk 2, 24 before chunk 3). Decoding happens chunk by chunk with [`StreamingWanDecoder`] (frames equal to
 one decode of the whole video) and the decoded frames ride on the [`ChunkRecord`] (``pixels``), so a pipeline that
-outputs frames does not decode again. ``keep_first_frame=True`` (Krea's option) keeps the first latent frame as the
-anchor for ever and decodes nothing. The cache pass runs at the session's context timestep (``context_noise``;
-Krea's is 0) on the clean frames.
+outputs frames does not decode again; with latents as output and no kept rollout, only the chunks a later re-encode
+reads are decoded (not the last one; none while the anchor never leaves the context). ``keep_first_frame=True``
+(Krea's option) keeps the first latent frame as the anchor for ever and decodes nothing. The cache pass runs at the
+session's context timestep (``context_noise``; Krea's is 0) on the clean frames.
 
 While fewer than ``context_frames`` frames are done, the context is all of them (scope pads its buffer with zero
 frames and repeats the first frame there instead; with chunks of at least ``context_frames - 1`` frames, Krea's
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -133,16 +136,25 @@ class ContextFrames:
     decoded: torch.Tensor | None = None  # (B, 3, <= 1 + (context_frames - 1) * 4, H*8, W*8): the last decoded frames
     pixels: torch.Tensor | None = None  # (B, 3, f, H*8, W*8): the last chunk's decoded frames
     before_last: ContextFrames | None = None
+    decode_before: int | None = None  # decode only chunks of a lower index (None: every chunk)
 
     def add(
-        self, clean: torch.Tensor, context_frames: int, num_reference_frames: int = 0, start: int = 0
+        self,
+        clean: torch.Tensor,
+        context_frames: int,
+        num_reference_frames: int = 0,
+        start: int = 0,
+        decode: bool = True,
     ) -> ContextFrames:
         """The state after the finished chunk ``clean`` ``(B, C, F_chunk, H, W)`` whose first latent frame is
         ``start``: its last frames kept, and, with a decoder, its video frames (those after the
         ``num_reference_frames`` leading latent frames) decoded into the buffer of the last ``1 + (context_frames -
-        1) * 4`` frames."""
+        1) * 4`` frames. ``decode=False``: the rollout re-encodes no frame from this chunk on, so the decoder is
+        dropped (the streamed decode cannot skip a chunk and go on)."""
         recent = clean if self.recent is None else torch.cat([self.recent, clean], dim=2)
         decoder, decoded, pixels = self.decoder, self.decoded, None
+        if not decode:
+            decoder, decoded = None, None
         video = clean[:, :, max(0, num_reference_frames - start) :]
         if decoder is not None and video.shape[2] > 0:
             decoder = fork_decoder(decoder)
@@ -200,6 +212,9 @@ class RecomputePolicy(SequentialPolicy):
         anchor: ``(chunk_index, state: ContextFrames) -> (B, C, 1, h, w)``: a custom anchor in place of the
             re-encoded frame, from the same chunk on (nothing is decoded then; tests feed recorded anchors);
             ignored with ``keep_first_frame``.
+        output_frames: the chunks' decoded frames are the output (``output_type`` other than ``"latent"``): decode
+            every chunk. ``False``: decode only the chunks a later re-encode reads (of a rollout that is not kept:
+            not the last chunk, nothing at all in a video too short for the anchor to leave the context).
     """
 
     def __init__(
@@ -209,6 +224,7 @@ class RecomputePolicy(SequentialPolicy):
         keep_first_frame: bool = False,
         kv_cache_attention_bias: float = 1.0,
         anchor: Callable[[int, ContextFrames], torch.Tensor] | None = None,
+        output_frames: bool = True,
     ) -> None:
         check_recompute_inputs(
             RECOMPUTE, context_frames, None, 0, False, False, kv_cache_attention_bias, keep_first_frame
@@ -217,11 +233,33 @@ class RecomputePolicy(SequentialPolicy):
         self.keep_first_frame = keep_first_frame
         self.kv_cache_attention_bias = float(kv_cache_attention_bias)
         self.anchor = anchor
+        self.output_frames = output_frames
 
     def uses_reencoded_anchor(self, done: ContextFrames, span: ChunkSpan) -> bool:
         """Krea's rule (scope ``get_context_frames``): the anchor is re-encoded once ``frames_done - chunk_frames >=
         context_frames``."""
-        return not self.keep_first_frame and done.num_frames - (span.end - span.start) >= self.context_frames
+        return self.reencodes_after(done.num_frames, span)
+
+    def reencodes_after(self, frames_done: int, span: ChunkSpan) -> bool:
+        """Whether the context of ``span``, after ``frames_done`` latent frames, starts with a re-encoded anchor
+        (Krea's rule; [`context_of`] uses the frames done as they are while they are at most ``context_frames``)."""
+        c = self.context_frames
+        return not self.keep_first_frame and frames_done > c and frames_done - (span.end - span.start) >= c
+
+    def decode_before(self, plan: Any, frames_done: int) -> int | None:
+        """The chunk index from which a rollout of ``plan`` after ``frames_done`` latent frames decodes nothing: one
+        past the last chunk whose frames a later re-encode reads (the re-encode before chunk ``k`` reads the
+        decoded frames of chunks ``< k``); ``None`` (decode every chunk) for a plan whose chunks are not known up
+        front (a live video)."""
+        spans = getattr(plan, "spans", None)
+        if spans is None:
+            return None
+        last_reader = spans[0].index
+        for span in spans:
+            if self.reencodes_after(frames_done, span):
+                last_reader = span.index
+            frames_done += span.end - span.start
+        return last_reader
 
     def context_of(self, done: ContextFrames, span: ChunkSpan) -> torch.Tensor:
         """The clean context before ``span``: all the frames done while they are at most ``context_frames``, else
@@ -258,6 +296,11 @@ class RecomputePolicy(SequentialPolicy):
         if not isinstance(session.policy_state, ContextFrames):  # a new rollout (a continuation keeps its state)
             decoder = None if self.keep_first_frame or self.anchor is not None else StreamingWanDecoder(pipe.vae)
             session.policy_state = ContextFrames(decoder=decoder)
+        state = session.policy_state
+        decode_before = None  # frames as output, or a kept rollout (a continuation re-encodes): every chunk
+        if not self.output_frames and not options.get("store_last", False) and state.decoder is not None:
+            decode_before = self.decode_before(plan, state.num_frames)
+        session.policy_state = replace(state, decode_before=decode_before)
         for record in super().run(pipe, session, plan, source, **{**options, "recache": False}):
             yield replace(record, pixels=session.policy_state.pixels)
 
@@ -276,8 +319,9 @@ class RecomputePolicy(SequentialPolicy):
     ) -> None:
         """No cache pass (the next rebuild replaces this chunk's noisy K/V); remember the frames the next context
         needs (and decode the chunk when anchors are re-encoded)."""
-        session.policy_state = session.policy_state.add(
-            clean, self.context_frames, session.num_reference_frames, span.start
-        )
+        state = session.policy_state
+        decode = store or self.output_frames  # the last chunk of a rollout that is not kept: no later re-encode
+        decode = decode and (state.decode_before is None or span.index < state.decode_before)
+        session.policy_state = state.add(clean, self.context_frames, session.num_reference_frames, span.start, decode)
         session.record(span, clean, None)
         return None

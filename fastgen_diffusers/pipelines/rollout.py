@@ -216,6 +216,7 @@ class CausalRolloutMixin(PromptScheduleMixin):
                 options.context_frames,
                 keep_first_frame=bool(getattr(options, "keep_first_frame", False)),
                 kv_cache_attention_bias=bias,
+                output_frames=options.output_type != "latent",
             )
         if policy == ROLLING and self.supports_rolling():
             return RollingPolicy(options.attention_window)
