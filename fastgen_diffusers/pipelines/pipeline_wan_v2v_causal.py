@@ -35,16 +35,12 @@ from ..chunking import chunk_bounds
 from .arguments import require_transformer
 from .conditioning import Conditioner
 from .guard import exclusive_rollout
+from .kv_cache_options import check_sink_update_fits_chunks, check_window_fits_chunks
 from .options import RolloutOptions
 from .pipeline_wan_causal import WanCausalPipeline
 from .policy_v2v import RecomputeVideoToVideoPolicy, VideoChunkPlan, VideoToVideoPolicy
-from .rollout import (
-    RolloutRun,
-    RolloutShape,
-    check_sink_update_fits_chunks,
-    check_transition_embeds,
-    check_window_fits_chunks,
-)
+from .prompts import check_transition_embeds
+from .rollout import RolloutRun, RolloutShape
 from .session import history_to_keep
 from .streaming_encode import StreamingWanEncoder
 from .strength import StrengthInput, StrengthSchedule

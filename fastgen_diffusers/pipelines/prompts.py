@@ -9,6 +9,22 @@ from typing import Any
 import torch
 
 
+def check_transition_embeds(
+    prompt_transition_chunks: int, prompt_embeds: torch.Tensor, switches: Mapping[int, torch.Tensor]
+) -> None:
+    """``ValueError`` when a blended prompt switch (``prompt_transition_chunks > 1``) cannot be blended: every
+    switch must have the frame-0 prompt's shape ``(B, L, text_dim)``."""
+    if not prompt_transition_chunks or prompt_transition_chunks <= 1:
+        return
+    for embeds in switches.values():
+        if embeds.shape != prompt_embeds.shape:
+            raise ValueError(
+                f"`prompt_transition_chunks={prompt_transition_chunks}` blends prompt embeddings, which needs every "
+                f"switch to have the first prompt's shape {tuple(prompt_embeds.shape)}, got {tuple(embeds.shape)}: "
+                "encode the prompts with the same `max_sequence_length`, or use prompt_transition_chunks=0."
+            )
+
+
 class PromptScheduleMixin:
     """Prompt encoding and prompt schedules of the causal pipelines (the host provides ``encode_prompt``,
     ``transformer`` and ``vae_scale_factor_temporal``)."""

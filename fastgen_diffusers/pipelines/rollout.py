@@ -12,11 +12,13 @@ Layers (each a module of this package, imported one way: pipelines -> session/po
 * [`RolloutPolicy`] (``policy.py``): runs a [`ChunkPlan`] on a session and yields [`ChunkRecord`]s;
   [`SequentialPolicy`] is the chunk-by-chunk loop. ``__call__``, ``stream``, continue, redo and fork all run it
   through [`CausalRolloutMixin.run_policy`], which owns the cache lifecycle (clear, keep, discard).
+* Layers of the mixin, one job each: [`PolicyChoiceMixin`] (``policy_choice.py``: which policy runs a call, which
+  pipelines run which, the policy options' checks), [`KVCacheOptionsMixin`] (``kv_cache_options.py``: the engines
+  of a call, their checks and configuration), [`PromptScheduleMixin`] (``prompts.py``: prompt schedules).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,17 +30,23 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import get_module_execution_device
 
 from ..chunking import ChunkPlan, chunk_bounds, chunk_layout
-from ..kv_cache import ENGINE_KINDS, ROPE_POSITION_MODES, AttentionWindow, make_engines
-from ..kv_cache.base import check_ema_chunks, check_kv_cache_dtype, check_rope_and_sink_settings
+from ..kv_cache import ROPE_POSITION_MODES
 from ..parallel import is_main_process
 from .arguments import check_prompt_schedule, prepare_call_options
 from .conditioning import Conditioner
 from .guard import exclusive_rollout, warn_discarding_kept_rollouts
+from .kv_cache_options import (
+    KV_CACHE_POSITION_DEFAULTS,
+    KVCacheOptionsMixin,
+    check_sink_update_fits_chunks,
+    check_window_fits_chunks,
+    kv_cache_position_options,
+)
 from .options import RolloutOptions
 from .policy import RolloutPolicy, SequentialPolicy
-from .policy_recompute import KV_CACHE_POLICIES, RECOMPUTE, RecomputePolicy, check_recompute_inputs
-from .policy_rolling import ANCHOR_POSITIONS, ROLLING, RollingPolicy, check_rolling_inputs
-from .prompts import PromptScheduleMixin
+from .policy_choice import PolicyChoiceMixin
+from .policy_recompute import RECOMPUTE, RecomputePolicy
+from .prompts import PromptScheduleMixin, check_transition_embeds
 from .records import ChunkOutput, ChunkRecord
 from .session import MAIN_BRANCH, RolloutSession, discard_branch, history_to_keep
 from .sources import NoiseSource
@@ -58,53 +66,6 @@ __all__ = [
 
 # the stored settings of a call's KV cache policy (resolve_options: filled where a call leaves them out)
 STORED_POLICY_SETTINGS = ("kv_cache_policy", "context_frames", "kv_cache_attention_bias", "keep_first_frame")
-# window-relative RoPE and EMA sink (Reward Forcing): the engine options a call may set, and their defaults
-KV_CACHE_POSITION_DEFAULTS = {"rope_positions": "absolute", "sink_update": "fixed", "sink_decay": 0.999}
-
-
-def kv_cache_position_options(options: Any) -> dict[str, Any]:
-    """The call's ``rope_positions`` / ``sink_update`` / ``sink_decay`` (resolved: defaults where still ``None``),
-    as engine keyword arguments."""
-    return {
-        name: default if getattr(options, name, None) is None else getattr(options, name)
-        for name, default in KV_CACHE_POSITION_DEFAULTS.items()
-    }
-
-
-def check_transition_embeds(
-    prompt_transition_chunks: int, prompt_embeds: torch.Tensor, switches: Mapping[int, torch.Tensor]
-) -> None:
-    """``ValueError`` when a blended prompt switch (``prompt_transition_chunks > 1``) cannot be blended: every
-    switch must have the frame-0 prompt's shape ``(B, L, text_dim)``."""
-    if not prompt_transition_chunks or prompt_transition_chunks <= 1:
-        return
-    for embeds in switches.values():
-        if embeds.shape != prompt_embeds.shape:
-            raise ValueError(
-                f"`prompt_transition_chunks={prompt_transition_chunks}` blends prompt embeddings, which needs every "
-                f"switch to have the first prompt's shape {tuple(prompt_embeds.shape)}, got {tuple(embeds.shape)}: "
-                "encode the prompts with the same `max_sequence_length`, or use prompt_transition_chunks=0."
-            )
-
-
-def check_window_fits_chunks(
-    attention_window: int | None, sink_frames: int, chunk_bounds: Sequence[tuple[int, int]]
-) -> None:
-    """Raise ``ValueError`` when a chunk cannot fit in the attention window (checked before any work).
-
-    The rule is [`AttentionWindow.check_chunks`], the one the engines apply: a chunk's frames outside the sink must
-    fit the window beside the sink (a chunk inside the sink, e.g. ``[0, 3)`` with sink 3 and window 4, fits).
-    """
-    AttentionWindow(attention_window, sink_frames).check_chunks(chunk_bounds)
-
-
-def check_sink_update_fits_chunks(
-    attention_window: int | None, sink_frames: int, sink_update: str, chunk_bounds: Sequence[tuple[int, int]]
-) -> None:
-    """Raise ``ValueError`` (before any work) when ``sink_update="ema"`` would meet an eviction of a frame count other
-    than ``sink_frames`` in a rollout of ``chunk_bounds`` (the engines' rule, :func:`check_ema_eviction`)."""
-    if sink_update == "ema":
-        check_ema_chunks(AttentionWindow(attention_window, sink_frames), chunk_bounds)
 
 
 @dataclass(frozen=True)
@@ -161,7 +122,7 @@ class RolloutRun:
         )
 
 
-class CausalRolloutMixin(PromptScheduleMixin):
+class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsMixin):
     r"""The causal rollout of the Wan pipelines: the prepare template, the kept sessions and the policy runner.
 
     The host pipeline provides ``transformer`` (a causal Wan transformer), ``scheduler``
@@ -203,116 +164,10 @@ class CausalRolloutMixin(PromptScheduleMixin):
         """Encode the call's conditioning into the [`Conditioner`] of its session. Text-to-video: text only."""
         return Conditioner()
 
-    def select_policy(self, options: RolloutOptions) -> RolloutPolicy:
-        """The [`RolloutPolicy`] that runs a call: the pipeline's ``default_policy`` (a policy option of the call,
-        e.g. a recompute or rolling-window policy, is resolved here): ``kv_cache_policy="recompute"`` gives a
-        [`RecomputePolicy`] over ``context_frames`` with ``kv_cache_attention_bias``, ``kv_cache_policy="rolling"`` a
-        [`RollingPolicy`] attending to ``attention_window`` frames per forward. A policy the pipeline cannot run is
-        refused before any work ([`check_policy_inputs`])."""
-        policy = getattr(options, "kv_cache_policy", None)
-        if policy == RECOMPUTE and self.supports_recompute():
-            bias = 1.0 if options.kv_cache_attention_bias is None else float(options.kv_cache_attention_bias)
-            return self.recompute_policy_class(
-                options.context_frames,
-                keep_first_frame=bool(getattr(options, "keep_first_frame", False)),
-                kv_cache_attention_bias=bias,
-                output_frames=options.output_type != "latent",
-            )
-        if policy == ROLLING and self.supports_rolling():
-            return RollingPolicy(options.attention_window)
-        return self.default_policy
-
     def conditions_chunks(self) -> bool:
         """Whether the pipeline conditions its chunks by frame (an image, a clip, a control video: its own
         ``prepare_conditioner``): a forward's conditioning is read at the forward's frames."""
         return type(self).prepare_conditioner is not CausalRolloutMixin.prepare_conditioner
-
-    def supports_rolling(self) -> bool:
-        """Whether ``kv_cache_policy="rolling"`` can drive this pipeline's rollouts: text-to-video ones (chunks
-        conditioned on text alone, sampled by the sequential default policy)."""
-        return not self.conditions_chunks() and type(self.default_policy) is SequentialPolicy
-
-    def supports_recompute(self) -> bool:
-        """Whether ``kv_cache_policy="recompute"`` can drive this pipeline's rollouts: chunks conditioned on text
-        alone (text-to-video, video-to-video). The recompute policy runs a chunk's forwards at the positions right
-        after its context, not at its frames, so conditioning read by frame (image, control video) would be
-        misplaced."""
-        return self.recompute_policy_class is not None and not self.conditions_chunks()
-
-    def supports_policy(self, kv_cache_policy: str | None) -> bool:
-        """Whether this pipeline can run ``kv_cache_policy`` (``None`` and ``"sequential"``: always)."""
-        if kv_cache_policy == ROLLING:
-            return self.supports_rolling()
-        if kv_cache_policy == RECOMPUTE:
-            return self.supports_recompute()
-        return True
-
-    def supports_attention_bias(self) -> bool:
-        """Whether the transformer takes ``kv_cache_attention_bias`` (the causal VACE transformer does not)."""
-        transformer = getattr(self, "transformer", None)
-        if transformer is None:
-            return False
-        return "kv_cache_attention_bias" in inspect.signature(type(transformer).forward).parameters
-
-    def supported_policies(self) -> tuple[str | None, ...]:
-        """The ``kv_cache_policy`` values this pipeline accepts."""
-        return (None, *(policy for policy in KV_CACHE_POLICIES if self.supports_policy(policy)))
-
-    def check_policy_inputs(self, options: RolloutOptions, prompt_schedule: Mapping[int, Any] | None) -> None:
-        """Raise ``ValueError`` (before any work) for a ``kv_cache_policy`` this pipeline cannot run, or policy and
-        KV-cache options that do not go together: the policies' checks first (so that the message names the
-        policy), then the engines' ([`check_kv_cache_inputs`])."""
-        policy = options.kv_cache_policy
-        if policy in KV_CACHE_POLICIES and not self.supports_policy(policy):
-            kind = "conditions its chunks by frame" if self.conditions_chunks() else "samples chunk by chunk"
-            raise ValueError(
-                f"`kv_cache_policy={policy!r}` drives text-to-video rollouts only (and video-to-video ones under "
-                f"'recompute'); {type(self).__name__} {kind}. Accepted here: {self.supported_policies()}."
-            )
-        bias = options.kv_cache_attention_bias
-        if bias is not None and bias != 1 and not self.supports_attention_bias():
-            raise ValueError(
-                f"`kv_cache_attention_bias={bias!r}` is not supported by {type(self).__name__}: its transformer "
-                f"({type(self.transformer).__name__}) takes no attention bias. Accepted here: None or 1."
-            )
-        check_recompute_inputs(
-            policy, options.context_frames, options.attention_window, options.sink_frames, options.keep_cache,
-            options.recache, options.kv_cache_attention_bias, options.keep_first_frame,
-            rope_positions=options.rope_positions, sink_update=options.sink_update,
-        )  # fmt: skip
-        check_rolling_inputs(
-            policy, attention_window=options.attention_window, sink_frames=options.sink_frames,
-            keep_cache=options.keep_cache, recache=options.recache, context_noise=options.context_noise,
-            first_chunk_timesteps=options.first_chunk_timesteps, prompt_schedule=prompt_schedule,
-            rope_positions=options.rope_positions, sink_update=options.sink_update,
-        )  # fmt: skip
-        self.check_kv_cache_inputs(
-            options.kv_cache_engine,
-            options.attention_window,
-            options.sink_frames,
-            **kv_cache_position_options(options),
-            kv_cache_dtype=options.kv_cache_dtype,
-        )
-
-    def check_rolling_rollout(
-        self, options: RolloutOptions, bounds: Sequence[tuple[int, int]], num_levels: int
-    ) -> RollingPolicy | None:
-        """The [`RollingPolicy`] of a ``kv_cache_policy="rolling"`` call (``None`` for any other), once the pipeline
-        and the chunking are checked to suit it (``ValueError`` before any work otherwise)."""
-        if options.kv_cache_policy != ROLLING:
-            return None
-        table = self.transformer.config.rope_max_seq_len
-        if bounds[-1][1] > table:
-            raise ValueError(
-                f"`kv_cache_policy='rolling'` keeps absolute RoPE positions (only the anchor moves), so it serves at "
-                f"most {table} latent frames (`rope_max_seq_len`), got {bounds[-1][1]}; RoPE re-basing does not apply "
-                "to its keys, which are stored before RoPE. Ask for fewer `num_frames`."
-            )
-        policy = RollingPolicy(options.attention_window)
-        policy.check_plan(list(bounds), num_levels)
-        if options.kv_cache_engine is None:
-            policy.check_engines(self.transformer, bounds[0][1] - bounds[0][0])
-        return policy
 
     # ------------------------------------------------------------------ the prepare template
     def resolve_options(self, options: RolloutOptions) -> RolloutOptions:
@@ -691,105 +546,6 @@ class CausalRolloutMixin(PromptScheduleMixin):
         config = self.transformer.config
         chunk_size = config.chunk_size if chunk_size is None else chunk_size
         return chunk_bounds(chunk_layout(num_latent_frames, chunk_size, config.independent_first_frame))
-
-    def configure_kv_cache(
-        self,
-        kv_cache_engine: str | None,
-        attention_window: int | None,
-        sink_frames: int,
-        chunk_bounds: Sequence[tuple[int, int]],
-        # window-relative RoPE and EMA sink (Reward Forcing)
-        rope_positions: str = "absolute",
-        sink_update: str = "fixed",
-        sink_decay: float = 0.999,
-        # 8-bit KV cache (#15 §5)
-        kv_cache_dtype: torch.dtype | str | None = None,
-    ) -> None:
-        """Give the transformer fresh engines of kind ``kv_cache_engine`` (``"static"`` or ``"vanilla"``) with the
-        sliding window ``attention_window`` / ``sink_frames`` (latent frames), sized for the rollout's chunks, and
-        the positions mode and sink update ``rope_positions`` / ``sink_update`` / ``sink_decay``, storing self K/V as
-        ``kv_cache_dtype`` (``None``: the compute dtype; 8-bit: ``torch.float8_e4m3fn``, ``torch.int8``).
-
-        ``kv_cache_engine=None`` keeps the engines the transformer has (e.g. ones set with
-        ``transformer.set_kv_cache_engines``). Called at the start of a rollout, whose caches are empty anyway.
-        """
-        check_window_fits_chunks(attention_window, sink_frames, chunk_bounds)
-        if kv_cache_engine is None:
-            return
-        warn_discarding_kept_rollouts(self)
-        self._free_rollouts()  # kept rollouts live in the engines being replaced
-        engines = make_engines(
-            self.transformer,
-            kv_cache_engine,
-            window_frames=attention_window,
-            sink_frames=sink_frames,
-            max_frames=chunk_bounds[-1][1],
-            rope_positions=rope_positions,
-            sink_update=sink_update,
-            sink_decay=sink_decay,
-            kv_cache_dtype=kv_cache_dtype,
-        )
-        self.transformer.set_kv_cache_engines(engines)
-
-    def configure_rollout_cache(
-        self,
-        options: RolloutOptions,
-        bounds: Sequence[tuple[int, int]],
-        *,
-        rolling: RollingPolicy | None = None,
-        open_ended: bool = False,
-    ) -> None:
-        """[`configure_kv_cache`] for a call's rollout of chunks ``bounds`` under its policy: sized for the whole
-        rollout (``open_ended``: for the first chunk, a live video whose length is unknown; a static engine grows),
-        for the context and one chunk under ``kv_cache_policy="recompute"`` (the cache never holds more), or for the
-        anchor and the last ``attention_window`` frames of a ``rolling`` policy (the anchor rotated at read time)."""
-        cache_bounds = list(bounds[:1] if open_ended else bounds)
-        cache_window = (options.attention_window, options.sink_frames)
-        if options.kv_cache_policy == RECOMPUTE:
-            cache_bounds = [(0, options.context_frames + max(end - start for start, end in bounds))]
-        position_options = kv_cache_position_options(options)
-        if rolling is not None:
-            window = rolling.engine_window(bounds[0][1] - bounds[0][0])
-            cache_window = (window.frames, window.sink)
-            position_options = {**position_options, "rope_positions": ANCHOR_POSITIONS}
-        self.configure_kv_cache(
-            options.kv_cache_engine,
-            *cache_window,
-            cache_bounds,
-            **position_options,
-            kv_cache_dtype=options.kv_cache_dtype,
-        )
-
-    @staticmethod
-    def check_kv_cache_inputs(
-        kv_cache_engine: str | None,
-        attention_window: int | None,
-        sink_frames: int,
-        # window-relative RoPE and EMA sink (Reward Forcing)
-        rope_positions: str = "absolute",
-        sink_update: str = "fixed",
-        sink_decay: float = 0.999,
-        # 8-bit KV cache (#15 §5)
-        kv_cache_dtype: torch.dtype | str | None = None,
-    ) -> None:
-        """Raise ``ValueError`` for an engine kind, window, positions mode, sink update or storage dtype the engines
-        cannot serve (the window settings by [`AttentionWindow`], the others by the engines' own checks)."""
-        if kv_cache_engine is not None and kv_cache_engine not in ENGINE_KINDS:
-            raise ValueError(f"`kv_cache_engine` must be one of {ENGINE_KINDS} or None, got {kv_cache_engine!r}.")
-        if kv_cache_engine is None and (attention_window is not None or sink_frames):
-            raise ValueError("`attention_window`/`sink_frames` need a `kv_cache_engine` ('static' or 'vanilla').")
-        custom = (rope_positions, sink_update, sink_decay) != tuple(KV_CACHE_POSITION_DEFAULTS.values())
-        if kv_cache_engine is None and custom:
-            raise ValueError(
-                "`rope_positions`/`sink_update`/`sink_decay` configure the engines a `kv_cache_engine` ('static' or "
-                "'vanilla') builds; with kv_cache_engine=None set them on your own engines."
-            )
-        window = AttentionWindow.from_arguments(attention_window, sink_frames)
-        check_rope_and_sink_settings(
-            window, rope_positions, sink_update, sink_decay, window_name="attention_window", sink_name="sink_frames"
-        )
-        if check_kv_cache_dtype(kv_cache_dtype, sink_update) is not None and kv_cache_engine is None:
-            raise ValueError("`kv_cache_dtype` needs a `kv_cache_engine` ('static' or 'vanilla').")
 
     def check_rollout_inputs(
         self,
