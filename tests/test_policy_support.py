@@ -161,3 +161,34 @@ def test_stored_keep_first_frame_fills_a_recompute_call():
     kept_first = latents(plain, kv_cache_policy="recompute", context_frames=3, keep_first_frame=True)
     assert torch.equal(latents(stored), kept_first)
     assert not torch.equal(latents(stored, keep_first_frame=False), kept_first)  # the re-encoded anchor
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"attention_window": 6, "sink_frames": 3, "rope_positions": "window", "sink_update": "ema"},
+        {"attention_window": 6, "sink_frames": 3, "kv_cache_dtype": torch.int8},
+        {"kv_cache_policy": "recompute", "context_frames": 3, "kv_cache_dtype": torch.float8_e4m3fn},
+    ],
+    ids=["window-ema", "window-int8", "recompute-fp8"],
+)
+def test_video_to_video_takes_the_engine_options_alike_in_call_stream_and_iterator(options):
+    """Window-relative RoPE with the EMA sink and the 8-bit cache reach video-to-video's engines; a list, an
+    iterator and ``stream()`` give the same latents; the options change the output."""
+    pipe = WanCausalVideoToVideoPipeline(**tiny_components())
+    pipe.set_progress_bar_config(disable=True)
+    frames = list(torch.rand(33, 3, 16, 16, generator=torch.Generator().manual_seed(3)))  # 9 latent frames
+    call = {"prompt": "a cat", "strength": 0.7, "num_inference_steps": 2, "output_type": "latent"}
+
+    def latents(video, **kwargs):
+        return pipe(video=video, generator=torch.Generator().manual_seed(0), **call, **kwargs).frames
+
+    listed = latents(frames, **options)
+    engine = next(iter(pipe.transformer.kv_cache_engines.values()))
+    expected = {name: options.get(name, default) for name, default in (("rope_positions", "absolute"),
+                ("sink_update", "fixed"), ("kv_cache_dtype", None))}  # fmt: skip
+    assert {name: getattr(engine, name) for name in expected} == expected
+    assert torch.equal(latents(iter(frames), **options), listed)
+    streamed = pipe.stream(video=iter(frames), generator=torch.Generator().manual_seed(0), **call, **options)
+    assert torch.equal(torch.cat([chunk.latents for chunk in streamed], dim=2), listed)
+    assert not torch.equal(latents(frames), listed)
