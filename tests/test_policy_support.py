@@ -142,6 +142,10 @@ def test_video_to_video_checks_its_arguments_and_refuses_rolling():
     ):
         with NoForward(pipe), pytest.raises(ValueError, match=match):
             pipe(**call, **bad)
+    live = iter(list(call["video"]))
+    with pytest.raises(ValueError, match="'rolling'` drives"):
+        pipe(**{**call, "video": live}, kv_cache_policy="rolling")
+    assert len(list(live)) == 9  # a refused call takes no frame of a live video
 
 
 def test_stored_keep_first_frame_fills_a_recompute_call():

@@ -183,11 +183,11 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             raise ValueError("`keep_cache` is not supported for video-to-video: its input cannot be continued.")
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         strength = StrengthSchedule(options.strength)
+        self.check_policy_inputs(options, prompt_schedule)  # before a live video's first frames are taken
         chunker = self.video_chunker(options)
         known = chunker.num_chunks is not None
         num_frames = chunker.num_used_frames if known else chunker.chunk_num_frames(0)
         shape = RolloutShape(chunker.height, chunker.width, num_frames)
-        self.check_policy_inputs(options, prompt_schedule)
         self.check_inputs(replace(options, latents=None, num_frames=num_frames), shape, batch_size)
         self.check_noise(options.latents, shape, batch_size, known)
         bounds = self.video_chunk_bounds(chunker, max(prompt_schedule, default=0))
