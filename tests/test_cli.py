@@ -188,3 +188,65 @@ def test_convert_is_a_subcommand(capsys):
     with pytest.raises(SystemExit):
         cli.main(["convert", "--help"])
     assert "--checkpoint" in capsys.readouterr().out
+
+
+# A valid value of each option `generate` forwards to the pipeline call (valid for text-to-video).
+FORWARDED_FLAGS = {
+    "kv_cache_policy": ["--kv-cache-policy", "recompute", "--context-frames", "3"],
+    "context_frames": ["--kv-cache-policy", "recompute", "--context-frames", "3"],
+    "kv_cache_attention_bias": ["--kv-cache-attention-bias", "0.5"],
+    "keep_first_frame": ["--kv-cache-policy", "recompute", "--context-frames", "3", "--keep-first-frame"],
+    "prompt_transition_chunks": ["--prompt-switch", "13:a dog", "--prompt-transition-chunks", "2"],
+    "rope_positions": ["--rope-positions", "window", "--attention-window", "6"],
+    "sink_update": [
+        "--sink-update",
+        "ema",
+        "--rope-positions",
+        "window",
+        "--attention-window",
+        "6",
+        "--sink-frames",
+        "3",
+    ],
+    "sink_decay": ["--sink-decay", "0.9"],
+    "kv_cache_dtype": ["--kv-cache-dtype", "int8"],
+}
+
+
+@pytest.mark.parametrize("kind", ["t2v", "i2v", "vace", "v2v"])
+def test_every_forwarded_option_is_taken_by_its_pipeline_or_refused_before_loading(kind, tmp_path):
+    """Each option ``generate`` passes on is a parameter of the ``__call__`` of the pipeline its inputs pick
+    (``stream`` takes the same), or the pre-load checks refuse the combination: never a ``TypeError`` after a load."""
+    import inspect
+
+    import imageio
+
+    from fastgen_diffusers import pipelines
+    from fastgen_diffusers.cli_checks import UsageError, check_generate_arguments
+
+    imageio.imwrite(tmp_path / "frame.png", np.zeros((32, 32, 3), dtype=np.uint8))
+    imageio.mimwrite(tmp_path / "clip.gif", [np.zeros((32, 32, 3), dtype=np.uint8)] * 21)
+    inputs, pipeline = {
+        "t2v": ([], pipelines.WanCausalPipeline),
+        "i2v": (["--image", str(tmp_path / "frame.png")], pipelines.WanCausalImageToVideoPipeline),
+        "vace": (["--control-video", str(tmp_path / "clip.gif")], pipelines.WanCausalVACEPipeline),
+        "v2v": (["--input-video", str(tmp_path / "clip.gif")], pipelines.WanCausalVideoToVideoPipeline),
+    }[kind]
+    parameters = inspect.signature(pipeline.__call__).parameters
+    assert set(FORWARDED_FLAGS) == set(cli.FORWARDED_OPTIONS)
+    taken = []
+    for name, flags in FORWARDED_FLAGS.items():
+        argv = ["generate", "--prompt", "a fox", "--output", str(tmp_path / "o.mp4"), *inputs, *flags]
+        args = cli.build_parser().parse_args(argv)
+        try:
+            check_generate_arguments(args)
+        except UsageError as error:
+            assert kind in ("i2v", "vace") and name not in parameters, f"{name}: {error}"
+            continue
+        given = [option for option in cli.FORWARDED_OPTIONS if getattr(args, option) not in (None, False)]
+        assert set(given) <= set(parameters), (name, given)
+        taken.append(name)
+    if kind in ("t2v", "v2v"):
+        assert taken == list(FORWARDED_FLAGS)
+    else:
+        assert {"rope_positions", "sink_update", "sink_decay", "kv_cache_dtype"} <= set(taken)
