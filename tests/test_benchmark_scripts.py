@@ -3,16 +3,11 @@ The rolling-vs-sequential benchmark's tiny mode runs here too."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu_scale.py"
+from bench_loader import load_benchmark
 
 
 def test_gpu_scale_benchmark_runs_in_its_tiny_cpu_mode(capsys):
-    spec = importlib.util.spec_from_file_location("bench_gpu_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_gpu_scale")
     module.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--num-frames", "21", "--skip-compile"])
     printed = capsys.readouterr().out
     assert "[static] rollout" in printed and "[vanilla] rollout" in printed
@@ -22,9 +17,7 @@ def test_gpu_scale_benchmark_runs_in_its_tiny_cpu_mode(capsys):
 
 
 def test_gpu_scale_benchmark_compiled_rows_run_in_the_tiny_cpu_mode(capsys):
-    spec = importlib.util.spec_from_file_location("bench_gpu_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_gpu_scale")
     module.main(
         ["--tiny", "--device", "cpu", "--dtype", "float32", "--num-frames", "13", "--compile", "--cuda-graphs"]
     )
@@ -38,10 +31,7 @@ def test_gpu_scale_benchmark_compiled_rows_run_in_the_tiny_cpu_mode(capsys):
 
 def test_rope_window_benchmark_runs_in_its_tiny_mode(capsys):
     """bench_rope_window: per engine, absolute and window+ema rows with ratios and equal cache bytes."""
-    path = SCRIPT.parent / "bench_rope_window.py"
-    spec = importlib.util.spec_from_file_location("bench_rope_window", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_rope_window")
     module.main(["--tiny", "--chunks", "4", "--repeats", "1", "--size", "8"])
     printed = capsys.readouterr().out
     for kind in ("static", "vanilla"):
@@ -52,10 +42,7 @@ def test_rope_window_benchmark_runs_in_its_tiny_mode(capsys):
 
 
 def test_recompute_benchmark_runs_in_a_tiny_mode(capsys):
-    script = SCRIPT.parent / "bench_recompute.py"
-    spec = importlib.util.spec_from_file_location("bench_recompute", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_recompute")
     module.main(["--size", "16", "--chunks", "2", "--steps", "1", "--memory-chunks", "3", "--memory-first", "2"])
     printed = capsys.readouterr().out
     assert printed.count("per-chunk time, output") == 2 and "recompute, re-encoded anchor" in printed
@@ -64,13 +51,24 @@ def test_recompute_benchmark_runs_in_a_tiny_mode(capsys):
 
 
 def test_rolling_benchmark_runs_in_its_tiny_mode(capsys):
-    script = SCRIPT.parent / "bench_rolling.py"
-    spec = importlib.util.spec_from_file_location("bench_rolling", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_rolling")
     module.main(["--tiny"])
     printed = capsys.readouterr().out
     # 5 chunks, 5 steps: 5 x 5 denoising forwards + 4 cache passes; 9 windows: 9 denoising forwards + 8 commits
     assert "[sequential] forwards 29 (25 denoising + 4 cache, carrying 87 latent frames), 5.80 per output" in printed
     assert "[rolling] forwards 17 (9 denoising + 8 cache, carrying 99 latent frames), 3.40 per output" in printed
     assert "rolling vs sequential: forwards per chunk x0.59, time per frame x" in printed
+
+
+def test_engines_benchmark_runs_in_a_tiny_mode(capsys):
+    """bench_engines: static vs vanilla rows at both points, and the windowed cache flat from chunk 5 to the last."""
+    load_benchmark("bench_engines").main(
+        ["--late-chunk", "6", "--window-chunk", "8", "--reps", "1", "--latent-size", "4"]
+    )
+    printed = capsys.readouterr().out
+    assert "[window 12, sink 3] chunk 8 / chunk 5: static" in printed
+    rows = [line.split() for line in printed.splitlines() if line.startswith(("no window", "window 12"))]
+    assert [row[-4] for row in rows] == ["5", "6", "5", "8"]
+    for kind in ("static", "vanilla"):
+        line = next(line for line in printed.splitlines() if line.startswith(f"[window 12, sink 3] {kind} "))
+        assert "(x1.00)" in line  # 3 chunks more, the same bytes: the window holds them

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_loader import load_benchmark
 from safetensors.torch import save_file
 from test_convert import _student, original_state_dict, wan_base  # noqa: F401
 
@@ -189,13 +190,9 @@ def test_local_base_needs_a_hub_id_for_the_card(wan_base, tmp_path):  # noqa: F8
 
 
 def test_convert_benchmark_runs_on_a_small_forty_layer_checkpoint(tmp_path, capsys):
-    import importlib.util
     import json
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_convert.py"
-    spec = importlib.util.spec_from_file_location("bench_convert", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_convert")
     checkpoint, base, nbytes = module.build(tmp_path, layers=40, dim=16, source="safetensors")
     module.main(["--child", "--checkpoint", str(checkpoint), "--base", str(base), "--output", str(tmp_path / "o")]
                 + ["--max-shard-size", str(nbytes // 3)])  # fmt: skip
