@@ -151,15 +151,11 @@ def test_generate_with_vace_control_and_image_flags(tmp_path, capsys):
     assert "cannot be combined" in capsys.readouterr().err
 
 
-def test_generate_video_to_video_from_an_input_video(tmp_path, capsys):
-    """``--input-video`` end to end on the tiny model: ``python -m fastgen_diffusers`` streams the restyled video (the
-    input's size, its two whole chunks: 9 + 12 of 23 frames) into an mp4; in process, ``--height``/``--width`` resize
-    the frames and ``--num-frames`` keeps the first ones, with the motion-aware strength."""
-    import subprocess
-    import sys
-
+def test_generate_video_to_video_from_an_input_video(tmp_path, capsys, caplog):
+    """``--input-video`` end to end on the tiny model: ``--stream`` writes the restyled video (the input's size, its
+    two whole chunks: 9 + 12 of 23 frames, the dropped frames named in a warning) into an mp4; ``--height``/``--width``
+    resize the frames and ``--num-frames`` keeps the first ones, with the motion-aware strength."""
     import imageio
-    from test_cli_errors import cli_env
 
     source = tmp_path / "input.mp4"
     with imageio.get_writer(source, fps=8) as writer:
@@ -167,13 +163,10 @@ def test_generate_video_to_video_from_an_input_video(tmp_path, capsys):
             writer.append_data(np.full((48, 48, 3), value, dtype=np.uint8))
     output = tmp_path / "restyled.mp4"
     args = ["generate", "--prompt", "a fox", "--input-video", str(source), "--strength", "0.6", "--steps", "2"]
-    completed = subprocess.run(
-        [sys.executable, "-m", "fastgen_diffusers", *args, "--stream", "--output", str(output)],
-        capture_output=True, text=True, env=cli_env(tmp_path), cwd=tmp_path,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stderr
-    assert "First 9 frames after" in completed.stdout and f"Wrote {output} (21 frames, 48x48" in completed.stdout
-    assert "dropped the last 2 frames" in completed.stderr
+    assert cli.main([*args, "--stream", "--output", str(output)]) == 0
+    printed = capsys.readouterr().out
+    assert "First 9 frames after" in printed and f"Wrote {output} (21 frames, 48x48" in printed
+    assert "dropped the last 2 frames" in caplog.text
     frames = read_frames(output)
     assert frames.shape[:3] == (21, 48, 48)
 
