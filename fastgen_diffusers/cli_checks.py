@@ -271,8 +271,15 @@ def check_stored_settings(args: argparse.Namespace, stored: dict | None) -> None
             raise UsageError("--kv-cache-policy recompute needs --context-frames N (the model stores none).")
         return
     if policy == "rolling":  # it positions its keys itself; check_kv_cache_policy refused the flags it does not take
+        stored_rolling = "" if args.kv_cache_policy else " (the model stores --kv-cache-policy rolling)"
+        positions = [name for name in POSITION_FLAGS if getattr(args, name, None) is not None]
+        if positions or args.sink_frames is not None:
+            name = flag(positions[0]) if positions else "--sink-frames"
+            raise UsageError(
+                f"{name} cannot be combined with --kv-cache-policy rolling{stored_rolling}: it keeps its first chunk "
+                "as the sink and positions its keys itself; pass --kv-cache-policy sequential to use it."
+            )
         if args.prompt_switch:
-            stored_rolling = "" if args.kv_cache_policy else " (the model stores --kv-cache-policy rolling)"
             raise UsageError(
                 f"--prompt-switch cannot be combined with --kv-cache-policy rolling{stored_rolling}: it denoises "
                 "several chunks per forward under one prompt; pass --kv-cache-policy sequential."

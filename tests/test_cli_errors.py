@@ -246,6 +246,11 @@ CASES = {
         2,
         "rolling (the model stores --kv-cache-policy rolling)",
     ),
+    "stored rolling with window positions": (
+        ["--model", "{rolling_model}", "--rope-positions", "window", "--attention-window", "9"],
+        2,
+        "--rope-positions cannot be combined with --kv-cache-policy rolling (the model stores",
+    ),
     # Options the image-to-video and VACE pipelines do not take
     "policy with image": (
         ["--kv-cache-policy", "recompute", "--context-frames", "3", "--image", "{frame.png}"],
