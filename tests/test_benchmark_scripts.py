@@ -1,8 +1,11 @@
-"""The GPU-scale benchmark is prepared for sessions that are lent a GPU: its tiny CPU mode keeps it from rotting.
-The rolling-vs-sequential benchmark's tiny mode runs here too."""
+"""Smoke tests of the benchmark scripts in a tiny or small mode (seconds): they keep the scripts from rotting and check
+the lines their figures come from. The GPU-scale one is prepared for sessions that are lent a GPU; bench_compile
+(inductor compiles for tens of seconds), bench_context_parallel (spawns ranks) and bench_pipeline (no small mode)
+have none."""
 
 from __future__ import annotations
 
+import pytest
 from bench_loader import load_benchmark
 
 
@@ -72,3 +75,33 @@ def test_engines_benchmark_runs_in_a_tiny_mode(capsys):
     for kind in ("static", "vanilla"):
         line = next(line for line in printed.splitlines() if line.startswith(f"[window 12, sink 3] {kind} "))
         assert "(x1.00)" in line  # 3 chunks more, the same bytes: the window holds them
+
+
+# Tiny arguments of the older scripts, and what each must print (the ratios they exist for).
+SMALL_RUNS = {
+    "bench_streaming": (
+        ["--num-frames", "21", "--size", "16", "--repeats", "1"],
+        ["2 chunks, 21 frames at 16x16", "time to first frames (stream):", "decode chunk by chunk:", "overhead x"],
+    ),
+    "bench_v2v": (
+        ["--num-frames", "21", "--size", "16", "--repeats", "1"],
+        ["2 chunks, 21 frames at 16x16", "time to first frames (stream from an iterator):", "encode chunk by chunk:"],
+    ),
+    "bench_vace": (["--repeats", "1", "--size", "16", "--num-frames", "21", "--steps", "2"], ["speed-up"]),
+    "bench_transformer": (
+        ["--frames", "6", "--repeats", "1"],
+        ["overhead", "speed-up", "cross K/V reuse", "formula 1572864 B, ratio 1.000", "memoised"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SMALL_RUNS))
+def test_older_benchmarks_run_in_a_small_mode(name, capsys):
+    argv, fragments = SMALL_RUNS[name]
+    load_benchmark(name).main(argv)
+    printed = capsys.readouterr().out
+    for fragment in fragments:
+        assert fragment in printed, (fragment, printed)
+    if name == "bench_vace":  # K = 1 refreshes the hints every step: exactly the exact rollout
+        rows = {line.split()[0]: line.split() for line in printed.splitlines() if line.strip()}
+        assert rows["exact"][-2:] == rows["1"][-2:] == ["0.00e+00", "0.00e+00"]
