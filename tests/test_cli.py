@@ -134,6 +134,26 @@ def test_generate_with_prompt_switches_transitions_and_keep_first_frame(tmp_path
     assert len(read_frames(output)) == 33
 
 
+def test_generate_streams_prompt_switches_with_a_transition(tmp_path, monkeypatch):
+    """``--prompt-switch`` and ``--prompt-transition-chunks`` reach ``stream()`` under ``--stream`` too."""
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    seen = []
+    stream = WanCausalPipeline.stream
+
+    def recording(self, *args, **kwargs):
+        seen.append({name: kwargs.get(name) for name in ("prompt", "prompt_transition_chunks")})
+        yield from stream(self, *args, **kwargs)
+
+    monkeypatch.setattr(WanCausalPipeline, "stream", recording)
+    output = tmp_path / "switch.mp4"
+    args = ["generate", "--prompt", "a fox", "--output", str(output), "--num-frames", "33", "--height", "32"]
+    args += ["--width", "32", "--steps", "1", "--stream", "--prompt-switch", "9:a dog", "--prompt-transition-chunks"]
+    assert cli.main([*args, "2"]) == 0
+    assert seen == [{"prompt": {0: "a fox", 9: "a dog"}, "prompt_transition_chunks": 2}]
+    assert len(read_frames(output)) == 33
+
+
 def test_generate_with_vace_control_and_image_flags(tmp_path, capsys):
     import imageio
 

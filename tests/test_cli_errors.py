@@ -144,6 +144,11 @@ CASES = {
         2,
         "--kv-cache-policy rolling drives text-to-video only; it cannot be combined with --image",
     ),
+    "rolling with input video": (
+        ["--kv-cache-policy", "rolling", "--input-video", "{clip9.gif}"],
+        2,
+        "--kv-cache-policy rolling drives text-to-video only; it cannot be combined with --input-video",
+    ),
     "context without recompute": (["--context-frames", "3"], 2, "--context-frames needs --kv-cache-policy recompute"),
     "bias too small without recompute": (
         ["--kv-cache-policy", "sequential", "--kv-cache-attention-bias", "0"],
