@@ -105,7 +105,7 @@ def add_convert_subparser(subparsers: argparse._SubParsersAction) -> argparse.Ar
         "--context-frames", type=_positive_int, default=None, help="frames re-encoded per chunk (recompute)"
     )
     sampling.add_argument(
-        "--kv-cache-attention-bias", type=float, default=None, help="attention weight on cached frames, (0, 1]"
+        "--kv-cache-attention-bias", type=float, default=None, help="attention weight on cached frames, [0.01, 1]"
     )
     sampling.add_argument(
         "--rope-positions", choices=("absolute", "window"), default=None, help="RoPE positions of cached keys"

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from test_convert import _student, original_state_dict, wan_base  # noqa: F401
 
 from fastgen_diffusers.convert import CheckpointConversionError, convert_checkpoint, load_checkpoint_safely
-from fastgen_diffusers.convert.writer import write_sharded_safetensors
+from fastgen_diffusers.convert.writer import parse_size, write_sharded_safetensors
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -225,3 +225,15 @@ def test_a_missing_base_says_so_and_an_unfetchable_hub_id_says_how_to_fetch(tmp_
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(CheckpointConversionError, match="huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers"):
         resolve_base("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+
+
+@pytest.mark.parametrize("size", ["abc", "5XB", "", "GB", "nanGB", "infGB", "0", "-1GB"])
+def test_a_bad_max_shard_size_is_a_value_error_naming_it(size):
+    """``--max-shard-size`` that is no size (not a number, unknown unit, nan, inf, not positive) is a one-line
+    ``ValueError`` (the convert CLI prints it), never float()'s message or an OverflowError."""
+    with pytest.raises(ValueError, match="`max_shard_size` must be"):
+        parse_size(size)
+
+
+def test_max_shard_sizes():
+    assert [parse_size(size) for size in ("5GB", "512MiB", " 2kb ", 7, "1.5KB")] == [5 * 10**9, 2**29, 2000, 7, 1500]

@@ -513,3 +513,22 @@ def test_converted_rolling_forcing_samples_with_the_rolling_window_by_default(wa
     assert len(rolling_frames) == 2 * (5 + 5 - 1) - 1 and max(rolling_frames) == 15  # a full window: 5 chunks
     assert len(frames) == 5 * 5 + 4 and max(frames) == 3
     assert not torch.equal(default, sequential.frames)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"kv_cache_attention_bias": 0.005}, "must be in \\[0.01, 1\\]"),  # what every pipeline call would refuse
+        ({"kv_cache_attention_bias": float("nan")}, "must be in \\[0.01, 1\\]"),
+        ({"sink_decay": 1.0}, "`sink_decay` must be in \\(0, 1\\)"),
+        ({"sink_update": "ema"}, "needs `sink_frames` > 0 and `rope_positions='window'`"),
+        ({"rope_positions": "window"}, "needs an `attention_window`"),
+        (
+            {"kv_cache_policy": "rolling", "attention_window": 12, "sink_frames": 3},
+            "keeps its first chunk as the sink",
+        ),
+    ],
+)
+def test_stored_settings_the_pipelines_would_refuse_are_refused(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        get_format("self-forcing").sampling.replace(**overrides)
