@@ -21,6 +21,7 @@ from .cli_checks import (
     check_prompt_switches,
     prompt_switches,
     read_media,
+    wants_vace,
 )
 from .cli_convert import add_convert_subparser
 from .cli_i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
@@ -165,10 +166,6 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_generate)
 
 
-def _wants_vace(args: argparse.Namespace) -> bool:
-    return any(getattr(args, name) for name in ("control_video", "mask", "reference_image"))
-
-
 def _load_pipeline(args: argparse.Namespace, dtype):
     """The pipeline the flags ask for (T2V, image-to-video, VACE or video-to-video), from ``--model`` or the tiny
     random model."""
@@ -183,7 +180,7 @@ def _load_pipeline(args: argparse.Namespace, dtype):
         return load_i2v_pipeline(args, dtype)
     if wants_v2v(args):
         return load_v2v_pipeline(args, dtype)
-    if _wants_vace(args):
+    if wants_vace(args):
         if args.model is None:
             return testing.tiny_vace_pipeline()
         return WanCausalVACEPipeline.from_pretrained(args.model, dtype=dtype)

@@ -53,7 +53,7 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
     check_conditioned_options(args)
     check_stored_settings(args, stored_settings(args.model))
     if args.context_parallel:
-        if _wants_vace(args):  # the VACE transformer refuses it once loaded; say so before the load
+        if wants_vace(args):  # the VACE transformer refuses it once loaded; say so before the load
             raise UsageError(
                 "--context-parallel does not support VACE (--control-video, --mask, --reference-image) yet; run it "
                 "in one process."
@@ -316,14 +316,15 @@ def check_stored_settings(args: argparse.Namespace, stored: dict | None) -> None
 ROLLING_REFUSED_INPUTS = ("image", "video", "control_video", "mask", "reference_image", "input_video")
 
 
-def _wants_vace(args: argparse.Namespace) -> bool:
+def wants_vace(args: argparse.Namespace) -> bool:
+    """Whether a VACE flag (``--control-video``, ``--mask``, ``--reference-image``) was given."""
     return any(getattr(args, name) for name in ("control_video", "mask", "reference_image"))
 
 
 def check_input_files(args: argparse.Namespace) -> None:
     """Every input flag names an existing file; VACE flags do not mix with ``--image``/``--video``."""
     wants_i2v = args.image is not None or args.video is not None
-    if _wants_vace(args) and wants_i2v:
+    if wants_vace(args) and wants_i2v:
         raise UsageError("--control-video/--mask/--reference-image (VACE) cannot be combined with --image/--video.")
     if args.mask is not None and args.control_video is None:
         raise UsageError("--mask needs --control-video (it marks which pixels of the control video to generate).")
