@@ -15,11 +15,10 @@ import argparse
 import time
 
 import torch
+from _common import CHUNK, mid_transformer, run_chunk
 
-from fastgen_diffusers import WanCausalTransformer3DModel, make_engines
+from fastgen_diffusers import make_engines
 from fastgen_diffusers.kv_cache.cross import ConditioningKey
-
-STEPS = (1000.0, 937.5, 833.3, 625.0)
 
 
 def timed(fn, reps: int, device: torch.device) -> float:
@@ -85,23 +84,7 @@ class FakeModel:
 
 @torch.no_grad()
 def undo_copies(device: torch.device) -> None:
-    torch.manual_seed(0)
-    model = (
-        WanCausalTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=4,
-            attention_head_dim=32,
-            in_channels=16,
-            out_channels=16,
-            text_dim=64,
-            freq_dim=256,
-            ffn_dim=256,
-            num_layers=4,
-            chunk_size=3,
-        )
-        .eval()
-        .to(device)
-    )
+    model = mid_transformer().to(device)
     model.set_kv_cache_engines(make_engines(model, "static", window_frames=9, sink_frames=3))
     engine = model.kv_cache_engines["main"]
     kept = []
@@ -117,9 +100,7 @@ def undo_copies(device: torch.device) -> None:
     latents, text = torch.randn(1, 16, 3, 16, 16, device=device), torch.randn(1, 64, 64, device=device)
     for chunk in range(8):
         kept.clear()
-        for step in STEPS:
-            model(latents, torch.full((1,), step, device=device), text, start_frame=3 * chunk)
-        model(latents, torch.zeros(1, device=device), text, start_frame=3 * chunk, store_kv=True)
+        run_chunk(model, latents, text, CHUNK * chunk)
     held = engine.self_cache_bytes("pos")
     print(
         f"undo copies [static, window 9, sink 3, chunk 8]: {sum(kept)} bytes kept during the chunk's 5 calls, "

@@ -24,40 +24,20 @@ import copy
 import time
 
 import torch
+from _common import CHUNK, mid_transformer, run_chunk
 
 from fastgen_diffusers import WanCausalTransformer3DModel, make_engines
 from fastgen_diffusers.testing import TINY_TRANSFORMER_CONFIG, tiny_pipeline
 
-CHUNK = 3
-STEPS = (1000.0, 937.5, 833.3, 625.0)
 STORAGE = (None, "int8", "float8_e4m3fn")
 KINDS = ("static", "vanilla")
 
 
 def build_model(tiny: bool) -> WanCausalTransformer3DModel:
-    torch.manual_seed(0)
     if tiny:
+        torch.manual_seed(0)
         return WanCausalTransformer3DModel(**TINY_TRANSFORMER_CONFIG).eval()
-    config = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=4,
-        attention_head_dim=32,
-        in_channels=16,
-        out_channels=16,
-        text_dim=64,
-        freq_dim=256,
-        ffn_dim=256,
-        num_layers=4,
-        chunk_size=CHUNK,
-    )
-    return WanCausalTransformer3DModel(**config).eval()
-
-
-def run_chunk(model, latents, text, start: int) -> None:
-    """The calls of one chunk at ``start``: denoising steps, then the store."""
-    for step in STEPS:
-        model(latents, torch.full((1,), step), text, start_frame=start)
-    model(latents, torch.zeros(1), text, start_frame=start, store_kv=True)
+    return mid_transformer()
 
 
 @torch.no_grad()

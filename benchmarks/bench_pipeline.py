@@ -96,12 +96,12 @@ def timed(fn, repeats: int, device: torch.device) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1: a shared CPU thrashes with more)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
 

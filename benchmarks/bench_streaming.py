@@ -26,12 +26,12 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-frames", type=int, default=33)
     parser.add_argument("--size", type=int, default=32, help="height = width in pixels")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     pipe = tiny_pipeline()
     pipe.set_progress_bar_config(disable=True)
     call = {"prompt": "a cat", "height": args.size, "width": args.size, "num_frames": args.num_frames}

@@ -65,12 +65,12 @@ def fill_cache(model, latents, prompt, chunk_size):
 
 
 @torch.no_grad()
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, default=21)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
 

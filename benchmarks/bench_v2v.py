@@ -29,13 +29,13 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-frames", type=int, default=45, help="input frames (9 + 12k for chunks of 3)")
     parser.add_argument("--size", type=int, default=32, help="height = width in pixels")
     parser.add_argument("--strength", type=float, default=0.75)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     pipe = WanCausalVideoToVideoPipeline(**tiny_components())
     pipe.set_progress_bar_config(disable=True)
     rng = np.random.default_rng(0)

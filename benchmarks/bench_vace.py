@@ -44,14 +44,14 @@ class TimedPipeline(WanCausalVACEPipeline):
         self.rollout_seconds = time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per chunk")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per K (the fastest is reported)")
     parser.add_argument("--size", type=int, default=64, help="height and width in pixels")
     parser.add_argument("--num-frames", type=int, default=21, help="pixel frames (21: 6 latent frames, 2 chunks)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is steadiest on a shared host)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     components = tiny_components()

@@ -14,7 +14,15 @@ import traceback
 from pathlib import Path
 
 from . import __version__
-from .cli_checks import POSITION_FLAGS, UsageError, check_generate_arguments, prompt_switches, read_media
+from .cli_checks import (
+    POSITION_FLAGS,
+    UsageError,
+    check_generate_arguments,
+    check_prompt_switches,
+    prompt_switches,
+    read_media,
+    wants_vace,
+)
 from .cli_convert import add_convert_subparser
 from .cli_i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
 from .cli_v2v import add_input_video_arguments, input_video_kwargs, load_v2v_pipeline, strength_argument, wants_v2v
@@ -25,6 +33,14 @@ KV_CACHE_DTYPES = (
     "float8_e4m3fn",
     "int8",
 )  # fastgen_diffusers.kv_cache.KV_CACHE_DTYPE_NAMES (a test keeps them equal)
+
+
+# Flags passed to the pipeline call under their own name when given (`--keep-first-frame` when set); the pipelines
+# that do not take some of them are refused with them first (cli_checks.SEQUENTIAL_ONLY_OPTIONS, tested).
+FORWARDED_OPTIONS = (
+    "kv_cache_policy", "context_frames", "kv_cache_attention_bias", "keep_first_frame", "prompt_transition_chunks",
+    *POSITION_FLAGS, "kv_cache_dtype",
+)  # fmt: skip
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -79,16 +95,20 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
         choices=("sequential", "recompute", "rolling"),
         help="KV cache policy; recompute (Krea) re-encodes --context-frames clean frames before each chunk, rolling "
         "(Rolling Forcing, text-to-video) denoises a window of chunks at staggered noise levels per forward, "
-        "--attention-window frames per forward, 21 by default (default: the model's stored one, else sequential)",
+        "--attention-window frames per forward, 21 by default; --image/--video and VACE sample sequentially "
+        "(default: the model's stored one, else sequential)",
     )
     long_videos.add_argument(
-        "--context-frames", type=int, help="clean latent frames re-encoded per chunk under --kv-cache-policy recompute"
+        "--context-frames",
+        type=int,
+        help="clean latent frames re-encoded per chunk under --kv-cache-policy recompute (default: the model's stored "
+        "one)",
     )
     long_videos.add_argument(
         "--kv-cache-attention-bias",
         type=float,
         help="attention weight on cached frames other than the first during denoising (Krea's, with --kv-cache-policy "
-        "recompute; any policy and window), in [0.01, 1] (1 = off)",
+        "recompute; any policy and window; not with --image/--video or VACE), in [0.01, 1] (1 = off)",
     )
     long_videos.add_argument(
         "--rope-positions",
@@ -146,10 +166,6 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_generate)
 
 
-def _wants_vace(args: argparse.Namespace) -> bool:
-    return any(getattr(args, name) for name in ("control_video", "mask", "reference_image"))
-
-
 def _load_pipeline(args: argparse.Namespace, dtype):
     """The pipeline the flags ask for (T2V, image-to-video, VACE or video-to-video), from ``--model`` or the tiny
     random model."""
@@ -164,7 +180,7 @@ def _load_pipeline(args: argparse.Namespace, dtype):
         return load_i2v_pipeline(args, dtype)
     if wants_v2v(args):
         return load_v2v_pipeline(args, dtype)
-    if _wants_vace(args):
+    if wants_vace(args):
         if args.model is None:
             return testing.tiny_vace_pipeline()
         return WanCausalVACEPipeline.from_pretrained(args.model, dtype=dtype)
@@ -215,6 +231,7 @@ def run_generate(args: argparse.Namespace) -> int:
     where, how many frames and how long."""
     check_generate_arguments(args)  # before anything heavy loads
     inputs = {**conditioning_kwargs(args), **_vace_kwargs(args), **input_video_kwargs(args)}
+    check_prompt_switches(args)  # again, now that --input-video has set the frame count
 
     import torch
     from diffusers.utils import export_to_video
@@ -250,14 +267,9 @@ def run_generate(args: argparse.Namespace) -> int:
         call_kwargs["strength"] = strength_argument(args)
     if args.attention_window is not None:
         call_kwargs.update(attention_window=args.attention_window, sink_frames=args.sink_frames or 0)
-    for name in (
-        "kv_cache_policy", "context_frames", "kv_cache_attention_bias", "prompt_transition_chunks", *POSITION_FLAGS,
-        "kv_cache_dtype",
-    ):  # fmt: skip
-        if getattr(args, name) is not None:
+    for name in FORWARDED_OPTIONS:
+        if getattr(args, name) not in (None, False):
             call_kwargs[name] = getattr(args, name)
-    if args.keep_first_frame:
-        call_kwargs["keep_first_frame"] = True
     if args.prompt_switch:
         call_kwargs["prompt"] = {0: args.prompt, **prompt_switches(args)}
 

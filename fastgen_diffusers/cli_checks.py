@@ -50,8 +50,10 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
     check_output(args.output)
     if args.model is not None:
         check_model(args.model)
+    check_conditioned_options(args)
+    check_stored_settings(args, stored_settings(args.model))
     if args.context_parallel:
-        if _wants_vace(args):  # the VACE transformer refuses it once loaded; say so before the load
+        if wants_vace(args):  # the VACE transformer refuses it once loaded; say so before the load
             raise UsageError(
                 "--context-parallel does not support VACE (--control-video, --mask, --reference-image) yet; run it "
                 "in one process."
@@ -207,18 +209,122 @@ def check_kv_cache_dtype(args: argparse.Namespace) -> None:
         raise UsageError(f"--kv-cache-dtype {name} needs a torch with {name} (torch {torch.__version__}); use int8.")
 
 
+# Options of the text-to-video and video-to-video pipelines that the image-to-video and VACE pipelines do not take
+# (they sample chunk by chunk under the sequential policy); tests/test_cli.py checks this against their signatures.
+SEQUENTIAL_ONLY_INPUTS = {"image": "--image", "video": "--video", **{n: flag(n) for n in ("control_video", "mask")}}
+SEQUENTIAL_ONLY_OPTIONS = (
+    "kv_cache_policy", "context_frames", "kv_cache_attention_bias", "keep_first_frame", "prompt_transition_chunks",
+)  # fmt: skip
+
+
+def check_conditioned_options(args: argparse.Namespace) -> None:
+    """No ``--kv-cache-policy`` (nor its recompute settings, the attention bias or prompt transitions) with
+    ``--image``/``--video`` or a VACE flag: those pipelines do not take them."""
+    inputs = [name for name in (*SEQUENTIAL_ONLY_INPUTS, "reference_image") if getattr(args, name, None)]
+    options = [name for name in SEQUENTIAL_ONLY_OPTIONS if getattr(args, name, None) not in (None, False)]
+    if inputs and options:
+        raise UsageError(
+            f"{flag(options[0])} cannot be combined with {flag(inputs[0])}: the image-to-video and VACE pipelines "
+            "sample chunk by chunk (sequential policy, no attention bias or prompt transitions)."
+        )
+
+
+def read_model_json(model: str | None, filename: str) -> dict | None:
+    """``filename`` (e.g. ``"model_index.json"``) of ``--model`` as a dict, from its directory or the Hugging Face
+    cache; ``None`` when it is not at hand or does not parse (the loader reports that)."""
+    import json
+
+    path = Path(model).expanduser() / filename
+    if not path.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(model, filename)
+        except Exception:  # noqa: BLE001  (an id the Hub client refuses: the loader reports it)
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def stored_settings(model: str | None) -> dict | None:
+    """The sampling settings ``--model`` stores (pipeline config fields of its ``model_index.json``); ``{}`` for the
+    built-in tiny model (it stores none); ``None`` when the file is not at hand (the pipeline checks then)."""
+    return {} if model is None else read_model_json(model, "model_index.json")
+
+
+def check_stored_settings(args: argparse.Namespace, stored: dict | None) -> None:
+    """What the pipeline would refuse after loading, found from the flags and the model's ``stored`` settings (as
+    ``resolve_options`` combines them): ``--kv-cache-policy recompute`` with no context frames, window positions or
+    an EMA sink with no window, an EMA sink over absolute positions or no sink frames, or with an 8-bit cache."""
+    if stored is None:
+        return
+    policy = args.kv_cache_policy or stored.get("kv_cache_policy") or "sequential"
+    if policy == "recompute":
+        stored_context = stored.get("kv_cache_policy") == "recompute" and stored.get("context_frames")
+        if args.context_frames is None and not stored_context:
+            raise UsageError("--kv-cache-policy recompute needs --context-frames N (the model stores none).")
+        return
+    if policy == "rolling":  # it positions its keys itself; check_kv_cache_policy refused the flags it does not take
+        stored_rolling = "" if args.kv_cache_policy else " (the model stores --kv-cache-policy rolling)"
+        positions = [name for name in POSITION_FLAGS if getattr(args, name, None) is not None]
+        if positions or args.sink_frames is not None:
+            name = flag(positions[0]) if positions else "--sink-frames"
+            raise UsageError(
+                f"{name} cannot be combined with --kv-cache-policy rolling{stored_rolling}: it keeps its first chunk "
+                "as the sink and positions its keys itself; pass --kv-cache-policy sequential to use it."
+            )
+        if args.prompt_switch:
+            raise UsageError(
+                f"--prompt-switch cannot be combined with --kv-cache-policy rolling{stored_rolling}: it denoises "
+                "several chunks per forward under one prompt; pass --kv-cache-policy sequential."
+            )
+        return
+    given = args.attention_window is not None
+    window = args.attention_window if given else stored.get("attention_window")
+    sink = (args.sink_frames or 0) if given else (stored.get("sink_frames") or 0)
+    rope = args.rope_positions or stored.get("rope_positions") or "absolute"
+    sink_update = args.sink_update or stored.get("sink_update") or "fixed"
+    stored_ema = "" if args.sink_update else " (the model stores --sink-update ema)"
+    if (rope == "window" or sink_update == "ema") and window is None:
+        name = "--rope-positions window" if rope == "window" else "--sink-update ema"
+        raise UsageError(f"{name} needs --attention-window (the model stores no window).")
+    if sink_update != "ema":
+        return
+    if rope != "window":
+        raise UsageError(
+            f"--sink-update ema averages keys of frames at different positions: it needs --rope-positions window"
+            f"{stored_ema}."
+        )
+    if not sink:
+        raise UsageError(
+            f"--sink-update ema averages evicted frames into the sink: give --sink-frames > 0{stored_ema}."
+        )
+    if args.kv_cache_dtype is not None:
+        raise UsageError(
+            f"--kv-cache-dtype cannot be combined with --sink-update ema{stored_ema}: the EMA's updates fall below "
+            "8-bit resolution; pass --sink-update fixed or no --kv-cache-dtype."
+        )
+
+
 # conditioning inputs (image-to-video, VACE, video-to-video) that the rolling policy cannot drive
 ROLLING_REFUSED_INPUTS = ("image", "video", "control_video", "mask", "reference_image", "input_video")
 
 
-def _wants_vace(args: argparse.Namespace) -> bool:
+def wants_vace(args: argparse.Namespace) -> bool:
+    """Whether a VACE flag (``--control-video``, ``--mask``, ``--reference-image``) was given."""
     return any(getattr(args, name) for name in ("control_video", "mask", "reference_image"))
 
 
 def check_input_files(args: argparse.Namespace) -> None:
     """Every input flag names an existing file; VACE flags do not mix with ``--image``/``--video``."""
     wants_i2v = args.image is not None or args.video is not None
-    if _wants_vace(args) and wants_i2v:
+    if wants_vace(args) and wants_i2v:
         raise UsageError("--control-video/--mask/--reference-image (VACE) cannot be combined with --image/--video.")
     if args.mask is not None and args.control_video is None:
         raise UsageError("--mask needs --control-video (it marks which pixels of the control video to generate).")

@@ -37,7 +37,7 @@ def _formats_epilog() -> str:
 
 def add_convert_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``convert`` on a ``fastgen-diffusers`` subparsers object (``func=run_convert``)."""
-    from .convert.formats import FORMATS
+    from .convert.formats import FORMATS, KV_CACHE_POLICIES
 
     parser = subparsers.add_parser(
         "convert",
@@ -98,6 +98,20 @@ def add_convert_subparser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     )
     sampling.add_argument("--attention-window", type=_positive_int, default=None, help="attention window (frames)")
     sampling.add_argument("--sink-frames", type=_non_negative_int, default=None, help="sink frames inside the window")
+    sampling.add_argument(
+        "--kv-cache-policy", choices=KV_CACHE_POLICIES, default=None, help="sequential, recompute (Krea) or rolling"
+    )
+    sampling.add_argument(
+        "--context-frames", type=_positive_int, default=None, help="frames re-encoded per chunk (recompute)"
+    )
+    sampling.add_argument(
+        "--kv-cache-attention-bias", type=float, default=None, help="attention weight on cached frames, [0.01, 1]"
+    )
+    sampling.add_argument(
+        "--rope-positions", choices=("absolute", "window"), default=None, help="RoPE positions of cached keys"
+    )
+    sampling.add_argument("--sink-update", choices=("fixed", "ema"), default=None, help="ema: Reward Forcing's sink")
+    sampling.add_argument("--sink-decay", type=float, default=None, help="decay of the EMA sink, in (0, 1)")
     parser.add_argument(
         "--allow-non-finite", action="store_true", help="convert weights holding NaN/Inf instead of refusing them"
     )
@@ -139,6 +153,12 @@ def run_convert(args: argparse.Namespace) -> int:
             first_chunk_timesteps=first_chunk,
             attention_window=args.attention_window,
             sink_frames=args.sink_frames,
+            kv_cache_policy=args.kv_cache_policy,
+            context_frames=args.context_frames,
+            kv_cache_attention_bias=args.kv_cache_attention_bias,
+            rope_positions=args.rope_positions,
+            sink_update=args.sink_update,
+            sink_decay=args.sink_decay,
             base_model_id=args.base_model_id,
             lora=args.lora,
             lora_alpha=args.lora_alpha,

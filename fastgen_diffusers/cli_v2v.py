@@ -11,12 +11,11 @@ at module level (``--help`` is timed, and the CLI tests block the model modules 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .cli_checks import SIZE_MULTIPLE, TEMPORAL_FACTOR, UsageError, read_media
+from .cli_checks import SIZE_MULTIPLE, TEMPORAL_FACTOR, UsageError, read_media, read_model_json
 
 if TYPE_CHECKING:
     import torch
@@ -87,23 +86,9 @@ def first_chunk_frames(model: str | None) -> int | None:
     """Pixel frames of the first chunk of ``--model``'s student (``1 + 4(n - 1)``, ``n`` its first chunk's latent
     frames), read from its ``transformer/config.json`` (a local directory or the Hugging Face cache); the built-in
     tiny model's without ``--model``; ``None`` when the config is not at hand (the pipeline checks it then)."""
-    config = TINY_CHUNK_LAYOUT
-    if model is not None:
-        path = Path(model).expanduser() / "transformer" / "config.json"
-        if not path.is_file():
-            from huggingface_hub import try_to_load_from_cache
-
-            try:
-                cached = try_to_load_from_cache(model, "transformer/config.json")
-            except Exception:  # noqa: BLE001  (an id the Hub client refuses: the loader reports it)
-                return None
-            if not isinstance(cached, str):
-                return None
-            path = Path(cached)
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
+    config = TINY_CHUNK_LAYOUT if model is None else read_model_json(model, "transformer/config.json")
+    if config is None:
+        return None
     chunk_size = config.get("chunk_size", 3)
     if config.get("independent_first_frame", False):
         return 1

@@ -1,18 +1,16 @@
-"""The GPU-scale benchmark is prepared for sessions that are lent a GPU: its tiny CPU mode keeps it from rotting.
-The rolling-vs-sequential benchmark's tiny mode runs here too."""
+"""Smoke tests of the benchmark scripts in a tiny or small mode (seconds): they keep the scripts from rotting and check
+the lines their figures come from. The GPU-scale one is prepared for sessions that are lent a GPU; bench_compile
+(inductor compiles for tens of seconds), bench_context_parallel (spawns ranks) and bench_pipeline (no small mode)
+have none."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu_scale.py"
+import pytest
+from bench_loader import load_benchmark
 
 
 def test_gpu_scale_benchmark_runs_in_its_tiny_cpu_mode(capsys):
-    spec = importlib.util.spec_from_file_location("bench_gpu_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_gpu_scale")
     module.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--num-frames", "21", "--skip-compile"])
     printed = capsys.readouterr().out
     assert "[static] rollout" in printed and "[vanilla] rollout" in printed
@@ -22,9 +20,7 @@ def test_gpu_scale_benchmark_runs_in_its_tiny_cpu_mode(capsys):
 
 
 def test_gpu_scale_benchmark_compiled_rows_run_in_the_tiny_cpu_mode(capsys):
-    spec = importlib.util.spec_from_file_location("bench_gpu_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_gpu_scale")
     module.main(
         ["--tiny", "--device", "cpu", "--dtype", "float32", "--num-frames", "13", "--compile", "--cuda-graphs"]
     )
@@ -38,10 +34,7 @@ def test_gpu_scale_benchmark_compiled_rows_run_in_the_tiny_cpu_mode(capsys):
 
 def test_rope_window_benchmark_runs_in_its_tiny_mode(capsys):
     """bench_rope_window: per engine, absolute and window+ema rows with ratios and equal cache bytes."""
-    path = SCRIPT.parent / "bench_rope_window.py"
-    spec = importlib.util.spec_from_file_location("bench_rope_window", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_rope_window")
     module.main(["--tiny", "--chunks", "4", "--repeats", "1", "--size", "8"])
     printed = capsys.readouterr().out
     for kind in ("static", "vanilla"):
@@ -52,10 +45,7 @@ def test_rope_window_benchmark_runs_in_its_tiny_mode(capsys):
 
 
 def test_recompute_benchmark_runs_in_a_tiny_mode(capsys):
-    script = SCRIPT.parent / "bench_recompute.py"
-    spec = importlib.util.spec_from_file_location("bench_recompute", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_recompute")
     module.main(["--size", "16", "--chunks", "2", "--steps", "1", "--memory-chunks", "3", "--memory-first", "2"])
     printed = capsys.readouterr().out
     assert printed.count("per-chunk time, output") == 2 and "recompute, re-encoded anchor" in printed
@@ -64,13 +54,54 @@ def test_recompute_benchmark_runs_in_a_tiny_mode(capsys):
 
 
 def test_rolling_benchmark_runs_in_its_tiny_mode(capsys):
-    script = SCRIPT.parent / "bench_rolling.py"
-    spec = importlib.util.spec_from_file_location("bench_rolling", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_rolling")
     module.main(["--tiny"])
     printed = capsys.readouterr().out
     # 5 chunks, 5 steps: 5 x 5 denoising forwards + 4 cache passes; 9 windows: 9 denoising forwards + 8 commits
     assert "[sequential] forwards 29 (25 denoising + 4 cache, carrying 87 latent frames), 5.80 per output" in printed
     assert "[rolling] forwards 17 (9 denoising + 8 cache, carrying 99 latent frames), 3.40 per output" in printed
     assert "rolling vs sequential: forwards per chunk x0.59, time per frame x" in printed
+
+
+def test_engines_benchmark_runs_in_a_tiny_mode(capsys):
+    """bench_engines: static vs vanilla rows at both points, and the windowed cache flat from chunk 5 to the last."""
+    load_benchmark("bench_engines").main(
+        ["--late-chunk", "6", "--window-chunk", "8", "--reps", "1", "--latent-size", "4"]
+    )
+    printed = capsys.readouterr().out
+    assert "[window 12, sink 3] chunk 8 / chunk 5: static" in printed
+    rows = [line.split() for line in printed.splitlines() if line.startswith(("no window", "window 12"))]
+    assert [row[-4] for row in rows] == ["5", "6", "5", "8"]
+    for kind in ("static", "vanilla"):
+        line = next(line for line in printed.splitlines() if line.startswith(f"[window 12, sink 3] {kind} "))
+        assert "(x1.00)" in line  # 3 chunks more, the same bytes: the window holds them
+
+
+# Tiny arguments of the older scripts, and what each must print (the ratios they exist for).
+SMALL_RUNS = {
+    "bench_streaming": (
+        ["--num-frames", "21", "--size", "16", "--repeats", "1"],
+        ["2 chunks, 21 frames at 16x16", "time to first frames (stream):", "decode chunk by chunk:", "overhead x"],
+    ),
+    "bench_v2v": (
+        ["--num-frames", "21", "--size", "16", "--repeats", "1"],
+        ["2 chunks, 21 frames at 16x16", "time to first frames (stream from an iterator):", "encode chunk by chunk:"],
+    ),
+    "bench_vace": (["--repeats", "1", "--size", "16", "--num-frames", "21", "--steps", "2"], ["speed-up"]),
+    "bench_transformer": (
+        ["--frames", "6", "--repeats", "1"],
+        ["overhead", "speed-up", "cross K/V reuse", "formula 1572864 B, ratio 1.000", "memoised"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SMALL_RUNS))
+def test_older_benchmarks_run_in_a_small_mode(name, capsys):
+    argv, fragments = SMALL_RUNS[name]
+    load_benchmark(name).main(argv)
+    printed = capsys.readouterr().out
+    for fragment in fragments:
+        assert fragment in printed, (fragment, printed)
+    if name == "bench_vace":  # K = 1 refreshes the hints every step: exactly the exact rollout
+        rows = {line.split()[0]: line.split() for line in printed.splitlines() if line.strip()}
+        assert rows["exact"][-2:] == rows["1"][-2:] == ["0.00e+00", "0.00e+00"]

@@ -4,18 +4,16 @@ that fails midway is rolled back exactly (evictions included), and cross K/V reu
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
+from bench_loader import load_benchmark
 from cache_state import assert_same_state, model_state
 from conftest import make_causal_transformer
 
 from fastgen_diffusers import make_engines
 
 T = torch.full((1,), 500.0)
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cache_overhead.py"
 
 
 def frames(count: int, seed: int) -> torch.Tensor:
@@ -157,9 +155,7 @@ def test_cross_kv_reuse_is_decided_by_content(edit):
 
 
 def test_the_overhead_benchmark_runs(capsys):
-    spec = importlib.util.spec_from_file_location("bench_cache_overhead", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_cache_overhead")
     module.main(["--reps", "1"])
     printed = capsys.readouterr().out
     assert "content key" in printed and "(ratio 0.333)" in printed  # a chunk of 3 frames of a 9-frame window

@@ -134,6 +134,26 @@ def test_generate_with_prompt_switches_transitions_and_keep_first_frame(tmp_path
     assert len(read_frames(output)) == 33
 
 
+def test_generate_streams_prompt_switches_with_a_transition(tmp_path, monkeypatch):
+    """``--prompt-switch`` and ``--prompt-transition-chunks`` reach ``stream()`` under ``--stream`` too."""
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    seen = []
+    stream = WanCausalPipeline.stream
+
+    def recording(self, *args, **kwargs):
+        seen.append({name: kwargs.get(name) for name in ("prompt", "prompt_transition_chunks")})
+        yield from stream(self, *args, **kwargs)
+
+    monkeypatch.setattr(WanCausalPipeline, "stream", recording)
+    output = tmp_path / "switch.mp4"
+    args = ["generate", "--prompt", "a fox", "--output", str(output), "--num-frames", "33", "--height", "32"]
+    args += ["--width", "32", "--steps", "1", "--stream", "--prompt-switch", "9:a dog", "--prompt-transition-chunks"]
+    assert cli.main([*args, "2"]) == 0
+    assert seen == [{"prompt": {0: "a fox", 9: "a dog"}, "prompt_transition_chunks": 2}]
+    assert len(read_frames(output)) == 33
+
+
 def test_generate_with_vace_control_and_image_flags(tmp_path, capsys):
     import imageio
 
@@ -151,15 +171,11 @@ def test_generate_with_vace_control_and_image_flags(tmp_path, capsys):
     assert "cannot be combined" in capsys.readouterr().err
 
 
-def test_generate_video_to_video_from_an_input_video(tmp_path, capsys):
-    """``--input-video`` end to end on the tiny model: ``python -m fastgen_diffusers`` streams the restyled video (the
-    input's size, its two whole chunks: 9 + 12 of 23 frames) into an mp4; in process, ``--height``/``--width`` resize
-    the frames and ``--num-frames`` keeps the first ones, with the motion-aware strength."""
-    import subprocess
-    import sys
-
+def test_generate_video_to_video_from_an_input_video(tmp_path, capsys, caplog):
+    """``--input-video`` end to end on the tiny model: ``--stream`` writes the restyled video (the input's size, its
+    two whole chunks: 9 + 12 of 23 frames, the dropped frames named in a warning) into an mp4; ``--height``/``--width``
+    resize the frames and ``--num-frames`` keeps the first ones, with the motion-aware strength."""
     import imageio
-    from test_cli_errors import cli_env
 
     source = tmp_path / "input.mp4"
     with imageio.get_writer(source, fps=8) as writer:
@@ -167,13 +183,10 @@ def test_generate_video_to_video_from_an_input_video(tmp_path, capsys):
             writer.append_data(np.full((48, 48, 3), value, dtype=np.uint8))
     output = tmp_path / "restyled.mp4"
     args = ["generate", "--prompt", "a fox", "--input-video", str(source), "--strength", "0.6", "--steps", "2"]
-    completed = subprocess.run(
-        [sys.executable, "-m", "fastgen_diffusers", *args, "--stream", "--output", str(output)],
-        capture_output=True, text=True, env=cli_env(tmp_path), cwd=tmp_path,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stderr
-    assert "First 9 frames after" in completed.stdout and f"Wrote {output} (21 frames, 48x48" in completed.stdout
-    assert "dropped the last 2 frames" in completed.stderr
+    assert cli.main([*args, "--stream", "--output", str(output)]) == 0
+    printed = capsys.readouterr().out
+    assert "First 9 frames after" in printed and f"Wrote {output} (21 frames, 48x48" in printed
+    assert "dropped the last 2 frames" in caplog.text
     frames = read_frames(output)
     assert frames.shape[:3] == (21, 48, 48)
 
@@ -188,3 +201,65 @@ def test_convert_is_a_subcommand(capsys):
     with pytest.raises(SystemExit):
         cli.main(["convert", "--help"])
     assert "--checkpoint" in capsys.readouterr().out
+
+
+# A valid value of each option `generate` forwards to the pipeline call (valid for text-to-video).
+FORWARDED_FLAGS = {
+    "kv_cache_policy": ["--kv-cache-policy", "recompute", "--context-frames", "3"],
+    "context_frames": ["--kv-cache-policy", "recompute", "--context-frames", "3"],
+    "kv_cache_attention_bias": ["--kv-cache-attention-bias", "0.5"],
+    "keep_first_frame": ["--kv-cache-policy", "recompute", "--context-frames", "3", "--keep-first-frame"],
+    "prompt_transition_chunks": ["--prompt-switch", "13:a dog", "--prompt-transition-chunks", "2"],
+    "rope_positions": ["--rope-positions", "window", "--attention-window", "6"],
+    "sink_update": [
+        "--sink-update",
+        "ema",
+        "--rope-positions",
+        "window",
+        "--attention-window",
+        "6",
+        "--sink-frames",
+        "3",
+    ],
+    "sink_decay": ["--sink-decay", "0.9"],
+    "kv_cache_dtype": ["--kv-cache-dtype", "int8"],
+}
+
+
+@pytest.mark.parametrize("kind", ["t2v", "i2v", "vace", "v2v"])
+def test_every_forwarded_option_is_taken_by_its_pipeline_or_refused_before_loading(kind, tmp_path):
+    """Each option ``generate`` passes on is a parameter of the ``__call__`` of the pipeline its inputs pick
+    (``stream`` takes the same), or the pre-load checks refuse the combination: never a ``TypeError`` after a load."""
+    import inspect
+
+    import imageio
+
+    from fastgen_diffusers import pipelines
+    from fastgen_diffusers.cli_checks import UsageError, check_generate_arguments
+
+    imageio.imwrite(tmp_path / "frame.png", np.zeros((32, 32, 3), dtype=np.uint8))
+    imageio.mimwrite(tmp_path / "clip.gif", [np.zeros((32, 32, 3), dtype=np.uint8)] * 21)
+    inputs, pipeline = {
+        "t2v": ([], pipelines.WanCausalPipeline),
+        "i2v": (["--image", str(tmp_path / "frame.png")], pipelines.WanCausalImageToVideoPipeline),
+        "vace": (["--control-video", str(tmp_path / "clip.gif")], pipelines.WanCausalVACEPipeline),
+        "v2v": (["--input-video", str(tmp_path / "clip.gif")], pipelines.WanCausalVideoToVideoPipeline),
+    }[kind]
+    parameters = inspect.signature(pipeline.__call__).parameters
+    assert set(FORWARDED_FLAGS) == set(cli.FORWARDED_OPTIONS)
+    taken = []
+    for name, flags in FORWARDED_FLAGS.items():
+        argv = ["generate", "--prompt", "a fox", "--output", str(tmp_path / "o.mp4"), *inputs, *flags]
+        args = cli.build_parser().parse_args(argv)
+        try:
+            check_generate_arguments(args)
+        except UsageError as error:
+            assert kind in ("i2v", "vace") and name not in parameters, f"{name}: {error}"
+            continue
+        given = [option for option in cli.FORWARDED_OPTIONS if getattr(args, option) not in (None, False)]
+        assert set(given) <= set(parameters), (name, given)
+        taken.append(name)
+    if kind in ("t2v", "v2v"):
+        assert taken == list(FORWARDED_FLAGS)
+    else:
+        assert {"rope_positions", "sink_update", "sink_decay", "kv_cache_dtype"} <= set(taken)

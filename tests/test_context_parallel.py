@@ -55,8 +55,11 @@ def count_cross_projections(pipe) -> list[int]:
     return calls
 
 
-def rollout(pipe, calls, guidance_scale: float = 1.0, output_type: str = "latent", num_frames: int = NUM_FRAMES):
-    """One seeded rollout; returns the output, what the kept caches hold and the cross K projections it ran."""
+def rollout(
+    pipe, calls, guidance_scale: float = 1.0, output_type: str = "latent", num_frames: int = NUM_FRAMES, **options
+):
+    """One seeded rollout (``options``: more call arguments); returns the output, what the kept caches hold and the
+    cross K projections it ran."""
     before = calls[0]
     out = pipe(
         prompt_embeds=text(PROMPT_SEED),
@@ -69,6 +72,7 @@ def rollout(pipe, calls, guidance_scale: float = 1.0, output_type: str = "latent
         generator=torch.Generator().manual_seed(NOISE_SEED),
         output_type=output_type,
         keep_cache=True,
+        **options,
     ).frames
     transformer = pipe.transformer
     engine = transformer.kv_cache_engines["main"]
@@ -152,6 +156,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         enable_ulysses(pipe.transformer)
         results["t2v"] = rollout(pipe, calls)
         results["cfg"] = rollout(pipe, calls, guidance_scale=3.0)
+        results["int8"] = rollout(pipe, calls, kv_cache_dtype="int8")  # per-head scales: each rank quantizes its own
         results["decoded"] = rollout(pipe, calls, output_type="np", num_frames=5)["out"]
 
         model = tiny_transformer()
@@ -202,6 +207,7 @@ def single(tmp_path_factory):
     """The same work in one process."""
     pipe, calls = make_pipe()
     results = {"t2v": rollout(pipe, calls), "cfg": rollout(pipe, calls, guidance_scale=3.0)}
+    results["int8"] = rollout(pipe, calls, kv_cache_dtype="int8")
     results["decoded"] = rollout(pipe, calls, output_type="np", num_frames=5)["out"]
     results["windowed"] = windowed_calls(tiny_transformer())
     input_dir = tmp_path_factory.mktemp("cp-single")
@@ -210,10 +216,14 @@ def single(tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("scenario", ["t2v", "cfg"])
+@pytest.mark.parametrize("scenario", ["t2v", "cfg", "int8"])
 def test_ulysses_rollout_matches_single_process(ranks, single, scenario):
+    """Every rank gets the single-process latents and holds half its cache, with an 8-bit cache too (its scales are per
+    head: each rank quantizes its heads as one process does; `--kv-cache-dtype` with `--context-parallel`)."""
     expected = single[scenario]
     assert expected["out"].shape == (1, 16, 6, 4, 4)
+    if scenario == "int8":  # 1 byte per element (plus scales) instead of 4
+        assert expected["self_bytes"]["pos"] < single["t2v"]["self_bytes"]["pos"] / 3
     for rank in ranks:
         got = rank[scenario]
         assert (got["out"] - expected["out"]).abs().max().item() <= 1e-6

@@ -395,6 +395,24 @@ def test_cli_convert(wan_base, tmp_path, capsys):
     args = parser.parse_args([*argv[:-1], str(tmp_path / "o2"), "--ema"])
     with pytest.raises(SystemExit, match="An EMA copy was requested but the checkpoint has none"):
         args.func(args)
+    # the cache settings of the policies override the format's too (stored as pipeline config fields)
+    overrides = {"attention_window": 9, "sink_frames": 3, "rope_positions": "window", "sink_update": "ema"}
+    overrides |= {"sink_decay": 0.99, "kv_cache_attention_bias": 0.5}
+    flags = [str(part) for key, value in overrides.items() for part in ("--" + key.replace("_", "-"), value)]
+    args = parser.parse_args([*argv[:-1], str(tmp_path / "o3"), "--format", "causvid", *flags])
+    assert args.func(args) == 0
+    model_index = json.loads((tmp_path / "o3" / "model_index.json").read_text())
+    assert {key: model_index[key] for key in overrides} == overrides
+    args = parser.parse_args(
+        [*argv[:-1], str(tmp_path / "o4"), "--kv-cache-policy", "recompute", "--context-frames", "2"]
+    )
+    assert args.func(args) == 0
+    model_index = json.loads((tmp_path / "o4" / "model_index.json").read_text())
+    assert (model_index["kv_cache_policy"], model_index["context_frames"]) == ("recompute", 2)
+    args = parser.parse_args([*argv[:-1], str(tmp_path / "o5"), "--sink-update", "ema"])  # no window, no sink
+    with pytest.raises(SystemExit, match="^error: `sink_update='ema'` needs `sink_frames` > 0"):
+        args.func(args)
+    assert not (tmp_path / "o5").exists()
 
 
 def test_names_of_the_single_module_converter_still_import():

@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import gc
 import math
-import os
-import subprocess
-import sys
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
+from bench_loader import load_benchmark
 from safetensors.torch import save_file
 from test_convert import _student, original_state_dict, wan_base  # noqa: F401
 
 from fastgen_diffusers.convert import CheckpointConversionError, convert_checkpoint, load_checkpoint_safely
-from fastgen_diffusers.convert.writer import write_sharded_safetensors
+from fastgen_diffusers.convert.writer import parse_size, write_sharded_safetensors
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -145,16 +143,19 @@ def test_shards_are_written_one_tensor_at_a_time(tmp_path):
         assert written[name].dtype == dtype and torch.equal(written[name], expected), name
 
 
-def test_cli_errors_are_one_line_without_a_traceback(tmp_path):
+def test_cli_errors_are_one_line_without_a_traceback(tmp_path, capsys):
+    """The console entry's convert error is a ``SystemExit`` whose message (what the interpreter prints on stderr, with
+    no traceback) is one line, and nothing else is printed."""
+    from fastgen_diffusers import cli
+
     empty = tmp_path / "model.pt"
     empty.touch()
-    command = [sys.executable, "-m", "fastgen_diffusers.cli", "convert", "--checkpoint", str(empty)]
-    command += ["--base", str(tmp_path), "--base-model-id", "org/w", "--output", str(tmp_path / "out")]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode != 0 and "Traceback" not in run.stderr
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --base"), run.stderr
+    argv = ["convert", "--checkpoint", str(empty), "--base", str(tmp_path), "--base-model-id", "org/w"]
+    with pytest.raises(SystemExit) as exit:
+        cli.main([*argv, "--output", str(tmp_path / "out")])
+    message = exit.value.code
+    assert isinstance(message, str) and "\n" not in message and message.startswith("error: --base"), message
+    assert capsys.readouterr().err == ""
 
 
 def test_cli_names_empty_and_foreign_files(wan_base, tmp_path):  # noqa: F811
@@ -189,13 +190,9 @@ def test_local_base_needs_a_hub_id_for_the_card(wan_base, tmp_path):  # noqa: F8
 
 
 def test_convert_benchmark_runs_on_a_small_forty_layer_checkpoint(tmp_path, capsys):
-    import importlib.util
     import json
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_convert.py"
-    spec = importlib.util.spec_from_file_location("bench_convert", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_convert")
     checkpoint, base, nbytes = module.build(tmp_path, layers=40, dim=16, source="safetensors")
     module.main(["--child", "--checkpoint", str(checkpoint), "--base", str(base), "--output", str(tmp_path / "o")]
                 + ["--max-shard-size", str(nbytes // 3)])  # fmt: skip
@@ -228,3 +225,15 @@ def test_a_missing_base_says_so_and_an_unfetchable_hub_id_says_how_to_fetch(tmp_
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(CheckpointConversionError, match="huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers"):
         resolve_base("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+
+
+@pytest.mark.parametrize("size", ["abc", "5XB", "", "GB", "nanGB", "infGB", "0", "-1GB"])
+def test_a_bad_max_shard_size_is_a_value_error_naming_it(size):
+    """``--max-shard-size`` that is no size (not a number, unknown unit, nan, inf, not positive) is a one-line
+    ``ValueError`` (the convert CLI prints it), never float()'s message or an OverflowError."""
+    with pytest.raises(ValueError, match="`max_shard_size` must be"):
+        parse_size(size)
+
+
+def test_max_shard_sizes():
+    assert [parse_size(size) for size in ("5GB", "512MiB", " 2kb ", 7, "1.5KB")] == [5 * 10**9, 2**29, 2000, 7, 1500]

@@ -3,7 +3,7 @@ and ``--format auto``, every weight checked bit for bit; LoRA merging; the 40-la
 
 from __future__ import annotations
 
-import inspect
+import ast
 import json
 import re
 from pathlib import Path
@@ -181,10 +181,34 @@ def test_release_converts_bit_exactly_with_its_format_and_with_auto(name, wan_ba
         for key in result.pipeline_settings:  # what `pipe(...)` reads as its defaults
             if key not in ("chunk_size", "independent_first_frame", "shift"):
                 assert model_index[key] == settings[key], key
-        assert set(result.pending_settings) <= {"kv_cache_policy", "context_frames", "kv_cache_attention_bias"}
+        assert not result.pending_settings  # the pipeline reads every setting of the table
         card = (output / "README.md").read_text()
         assert get_format(result.format).project in card and f"- {result.format}" in card
-        assert ("Settings marked `sampling.json`" in card) == bool(result.pending_settings)
+        assert "Settings marked `sampling.json`" not in card
+        assert CARD_SUMMARY.get(result.format, "`pipe(prompt)` samples with the settings below: ") in card
+        # the card's spelled-out call is Python whose arguments are the stored defaults
+        call = re.search(r"\(`pipe\(prompt, (.*?)\)` spells out the stored defaults\)", card, flags=re.S).group(1)
+        keywords = ast.parse(f"pipe({call})", mode="eval").body.keywords
+        spelled = {keyword.arg: ast.literal_eval(keyword.value) for keyword in keywords}
+        assert spelled and all(value is not None for value in spelled.values())
+        for key, value in spelled.items():
+            assert value == (
+                pytest.approx(model_index[key], rel=1e-9) if isinstance(value, list) else model_index[key]
+            )
+
+
+# How the model card words the sampling of the rows with a policy, window or RoPE mode of their own.
+CARD_SUMMARY = {
+    "krea": "KV recompute (Krea): before each chunk the cache is rebuilt over 3 clean context frames, so memory stays "
+    "flat, and cached frames other than the first get attention weight 0.3.",
+    "reward-forcing": "a sliding window of 9 latent frames, the first 3 kept as a sink; cached keys are positioned "
+    "by their slot in the window (no 1024-frame RoPE limit), and frames leaving the window are averaged into the "
+    "sink (decay 0.999).",
+    "rolling-forcing": "a rolling window (Rolling Forcing): each forward denoises up to 5 chunks at staggered noise "
+    "levels, attending to at most 21 latent frames with the first chunk as anchor.",
+    "longlive": "a sliding window of 12 latent frames, the first 3 kept as a sink.",
+    "self-forcing": "chunk by chunk, every finished chunk cached (the cache grows with the video).",
+}
 
 
 def test_auto_says_what_it_found_and_why(tmp_path):
@@ -333,16 +357,6 @@ def test_default_lora_alpha_is_the_projects():
 
 
 # ------------------------------------------------------------------------- the per-chunk schedule (Causal Forcing++)
-def _pipeline_has(field: str) -> bool:
-    from fastgen_diffusers.pipelines import WanCausalPipeline
-
-    return field in inspect.signature(WanCausalPipeline.__init__).parameters
-
-
-@pytest.mark.skipif(
-    not _pipeline_has("first_chunk_timesteps"),
-    reason="the pipeline's `first_chunk_timesteps` comes from the rollout branch (checked at integration)",
-)
 def test_causal_forcing_plus_plus_denoises_the_first_chunk_with_four_steps(wan_base, tmp_path):  # noqa: F811
     from fastgen_diffusers.pipelines import WanCausalPipeline
 
@@ -499,3 +513,22 @@ def test_converted_rolling_forcing_samples_with_the_rolling_window_by_default(wa
     assert len(rolling_frames) == 2 * (5 + 5 - 1) - 1 and max(rolling_frames) == 15  # a full window: 5 chunks
     assert len(frames) == 5 * 5 + 4 and max(frames) == 3
     assert not torch.equal(default, sequential.frames)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"kv_cache_attention_bias": 0.005}, "must be in \\[0.01, 1\\]"),  # what every pipeline call would refuse
+        ({"kv_cache_attention_bias": float("nan")}, "must be in \\[0.01, 1\\]"),
+        ({"sink_decay": 1.0}, "`sink_decay` must be in \\(0, 1\\)"),
+        ({"sink_update": "ema"}, "needs `sink_frames` > 0 and `rope_positions='window'`"),
+        ({"rope_positions": "window"}, "needs an `attention_window`"),
+        (
+            {"kv_cache_policy": "rolling", "attention_window": 12, "sink_frames": 3},
+            "keeps its first chunk as the sink",
+        ),
+    ],
+)
+def test_stored_settings_the_pipelines_would_refuse_are_refused(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        get_format("self-forcing").sampling.replace(**overrides)

@@ -9,11 +9,10 @@ against the float32 cache over a 50-chunk windowed rollout of the tiny model (th
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
+from bench_loader import load_benchmark
 from cache_state import assert_same_state, model_state
 from conftest import make_causal_transformer
 
@@ -30,7 +29,6 @@ from fastgen_diffusers.testing import tiny_pipeline
 KINDS = ("static", "vanilla")
 DTYPES = (torch.int8, torch.float8_e4m3fn)
 T = torch.full((1,), 500.0)
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kv8.py"
 
 
 def frames(count: int, seed: int, batch: int = 1) -> torch.Tensor:
@@ -352,9 +350,7 @@ def test_cli_kv_cache_dtype_errors_are_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_the_kv8_benchmark_runs_in_its_tiny_mode(capsys):
-    spec = importlib.util.spec_from_file_location("bench_kv8", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_kv8")
     module.main(["--tiny"])
     printed = capsys.readouterr().out
     for dtype in ("int8", "float8_e4m3fn"):

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import peft  # noqa: F401  (a test dependency: diffusers' LoRA loading needs it; missing, the tests fail)
 import torch
 from safetensors.torch import save_file
 
 from fastgen_diffusers import WanCausalAttnProcessor, WanCausalCrossAttnProcessor
 from fastgen_diffusers.testing import tiny_pipeline
-
-pytest.importorskip("peft")
 
 RANK = 4
 TARGETS = ("attn1.to_q", "attn1.to_v", "attn2.to_k", "ffn.net.0.proj")

@@ -59,6 +59,49 @@ def _value(value) -> str:
     return str(value)
 
 
+def _literal(value) -> str:
+    """``value`` as Python source for the card's spelled-out call (strings quoted, ``True``, ``None``)."""
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    return _value(value) if isinstance(value, float) else repr(value)
+
+
+# Where a stored setting lives: the chunking in the transformer config, the shift in the scheduler config, the rest
+# in the pipeline config (model_index.json).
+_STORED_IN = {"chunk_size": "transformer config", "independent_first_frame": "transformer config"}
+_STORED_IN["shift"] = "scheduler config"
+
+
+def _sampling_summary(settings: dict) -> str:
+    """One sentence on how the stored settings sample, beyond the step schedule (the cache policy, window, RoPE)."""
+    policy, window, sink = settings["kv_cache_policy"], settings["attention_window"], settings["sink_frames"]
+    if policy == "recompute":
+        bias = settings["kv_cache_attention_bias"]
+        text = (
+            f"KV recompute (Krea): before each chunk the cache is rebuilt over {settings['context_frames']} clean "
+            "context frames, so memory stays flat"
+        )
+        if bias != 1:
+            text += f", and cached frames other than the first get attention weight {_value(bias)}"
+        return text + "."
+    if policy == "rolling":
+        return (
+            f"a rolling window (Rolling Forcing): each forward denoises up to {len(settings['timesteps'])} chunks "
+            f"at staggered noise levels, attending to at most {window or 21} latent frames with the first chunk as "
+            "anchor."
+        )
+    if window is None:
+        return "chunk by chunk, every finished chunk cached (the cache grows with the video)."
+    text = f"chunk by chunk under a sliding window of {window} latent frames, the first {sink} kept as a sink"
+    if settings["rope_positions"] == "window":
+        text += "; cached keys are positioned by their slot in the window (no 1024-frame RoPE limit)"
+    if settings["sink_update"] == "ema":
+        text += f", and frames leaving the window are averaged into the sink (decay {_value(settings['sink_decay'])})"
+    return text + "."
+
+
 # The stored settings a `pipe(...)` call takes as arguments, in the order the card spells them out.
 _CALL_DEFAULTS = (
     "timesteps", "context_noise", "first_chunk_timesteps", "attention_window", "sink_frames", "kv_cache_policy",
@@ -94,12 +137,16 @@ def model_card(
     settings = result.sampling.as_dict()
     rows = "\n".join(
         f"| {_SETTING_DOCS[key]} | `{key}` | {_value(value)} | "
-        + ("pipeline config" if key in result.pipeline_settings else "`sampling.json` (policy pending)")
+        + (
+            _STORED_IN.get(key, "pipeline config")
+            if key in result.pipeline_settings
+            else "`sampling.json` (policy pending)"
+        )
         + " |"
         for key, value in settings.items()
     )
     defaults = ", ".join(
-        f"{key}={_value(settings[key])}"
+        f"{key}={_literal(settings[key])}"
         for key in _CALL_DEFAULTS
         if key in result.pipeline_settings and settings[key] is not None
     )
@@ -158,7 +205,7 @@ from fastgen_diffusers import WanCausalPipeline
 pipe = WanCausalPipeline.from_pretrained("{REPO_PLACEHOLDER}", dtype=torch.bfloat16)
 ```
 {lora_usage}
-`pipe(prompt)` samples with the settings below; every one can be overridden per call
+`pipe(prompt)` samples with the settings below: {_sampling_summary(settings)} Every one can be overridden per call
 (`pipe(prompt, {defaults})` spells out the stored defaults).
 
 ## Sampling settings ({row.name})

@@ -116,6 +116,12 @@ def convert_checkpoint(
     first_chunk_timesteps: Sequence[float] | None = None,
     attention_window: int | None = None,
     sink_frames: int | None = None,
+    kv_cache_policy: str | None = None,
+    context_frames: int | None = None,
+    kv_cache_attention_bias: float | None = None,
+    rope_positions: str | None = None,
+    sink_update: str | None = None,
+    sink_decay: float | None = None,
     base_model_id: str | None = None,
     lora: str | os.PathLike | None = None,
     lora_alpha: float | None = None,
@@ -133,7 +139,8 @@ def convert_checkpoint(
         ema: ``None`` (what the project's loader takes), ``True``, ``False`` or the name of a weight copy.
         dtype: Cast the transformer weights (``"bfloat16"``, ``torch.float16``, ...); default: keep the checkpoint's.
         chunk_size, timesteps, shift, context_noise, independent_first_frame, first_chunk_timesteps,
-            attention_window, sink_frames: Override the format's settings (see [`SamplingSettings`]).
+            attention_window, sink_frames, kv_cache_policy, context_frames, kv_cache_attention_bias, rope_positions,
+            sink_update, sink_decay: Override the format's settings (see [`SamplingSettings`]; ``None`` keeps it).
         base_model_id: Hub id written as ``base_model`` in the model card (required when ``base`` is a local path).
         lora: A PEFT LoRA file (LongLive's ``lora.pt``) to merge, ``W + alpha / r * B @ A`` in float32.
         lora_alpha: LoRA alpha (default: the format's, e.g. 256 for LongLive, else the rank).
@@ -172,6 +179,12 @@ def convert_checkpoint(
         first_chunk_timesteps=first_chunk_timesteps,
         attention_window=attention_window,
         sink_frames=sink_frames,
+        kv_cache_policy=kv_cache_policy,
+        context_frames=context_frames,
+        kv_cache_attention_bias=kv_cache_attention_bias,
+        rope_positions=rope_positions,
+        sink_update=sink_update,
+        sink_decay=sink_decay,
     )
     config = _causal_config(base_dir, sampling.chunk_size, sampling.independent_first_frame)
     with init_empty_weights():

@@ -111,8 +111,8 @@ class SamplingSettings:
                 f"one schedule: `sink_frames`, `context_noise` and `first_chunk_timesteps` must be unset, got "
                 f"{self.sink_frames}, {self.context_noise}, {self.first_chunk_timesteps}."
             )
-        if not 0 < self.kv_cache_attention_bias <= 1:
-            raise ValueError(f"`kv_cache_attention_bias` must be in (0, 1], got {self.kv_cache_attention_bias}.")
+        if not 0.01 <= self.kv_cache_attention_bias <= 1:  # the pipelines' range (pipelines/policy_recompute.py)
+            raise ValueError(f"`kv_cache_attention_bias` must be in [0.01, 1], got {self.kv_cache_attention_bias}.")
         # the engines' rule (kv_cache.base.check_rope_and_sink_settings), restated: this table imports no torch
         if self.rope_positions not in ("absolute", "window") or self.sink_update not in ("fixed", "ema"):
             raise ValueError(

@@ -37,9 +37,12 @@ def parse_size(size: int | str) -> int:
         text = str(size).strip().upper()
         number = text.rstrip("KMGTIB")
         unit = text[len(number) :]
-        if unit not in _UNITS or not number:
-            raise ValueError(f"`max_shard_size` must be bytes or a size like '5GB' / '512MiB', got {size!r}.")
-        value = int(float(number) * _UNITS[unit])
+        try:
+            value = int(float(number) * _UNITS[unit])
+        except (KeyError, ValueError, OverflowError):  # an unknown unit, not a number, nan or inf
+            raise ValueError(
+                f"`max_shard_size` must be bytes or a size like '5GB' / '512MiB', got {size!r}."
+            ) from None
     if value <= 0:
         raise ValueError(f"`max_shard_size` must be positive, got {size!r}.")
     return value

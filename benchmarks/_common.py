@@ -1,0 +1,42 @@
+"""Set-up shared by the benchmark scripts (not a benchmark): the mid-size random transformer that the engine, cache
+and 8-bit benchmarks time, and the calls of one chunk.
+
+The scripts import it as a sibling (``python benchmarks/bench_x.py`` puts this folder on ``sys.path``; the smoke tests
+load them with ``tests/bench_loader.py``, which does the same).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastgen_diffusers import WanCausalTransformer3DModel
+
+CHUNK = 3  # latent frames per chunk
+STEPS = (1000.0, 937.5, 833.3, 625.0)  # the students' warped 4-step schedule (model timesteps)
+# dim 128 (4 heads x 32), ffn 256, 4 layers, text dim 64, chunks of 3 latent frames
+MID_CONFIG = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=4,
+    attention_head_dim=32,
+    in_channels=16,
+    out_channels=16,
+    text_dim=64,
+    freq_dim=256,
+    ffn_dim=256,
+    num_layers=4,
+    chunk_size=CHUNK,
+)
+
+
+def mid_transformer() -> WanCausalTransformer3DModel:
+    """The mid-size transformer of :data:`MID_CONFIG` with random weights (seed 0), in eval mode."""
+    torch.manual_seed(0)
+    return WanCausalTransformer3DModel(**MID_CONFIG).eval()
+
+
+def run_chunk(model, latents: torch.Tensor, text: torch.Tensor, start: int) -> None:
+    """The calls of one chunk at latent frame ``start``: the denoising steps of :data:`STEPS`, then the store."""
+    device = latents.device
+    for step in STEPS:
+        model(latents, torch.full((1,), step, device=device), text, start_frame=start)
+    model(latents, torch.zeros(1, device=device), text, start_frame=start, store_kv=True)
