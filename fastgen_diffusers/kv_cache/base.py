@@ -293,7 +293,9 @@ class BaseKVCacheEngine:
         ``chunk_layout`` is the call's split into chunks (frame counts); windowed engines check that each chunk fits
         the window and that the frames its first chunk attends to are still held. With ``sink_update="ema"`` the
         frames the call evicts must be as many as the sink's (see :meth:`begin_call`). ``attention_window`` is the
-        call's own window (see :meth:`check_call_window`), checked instead of the engine's.
+        call's own window (see :meth:`check_call_window`), checked instead of the engine's. With keys stored before
+        RoPE, a call of several chunks must give each chunk its chunk-by-chunk key positions
+        (:meth:`_check_chunk_positions`).
         """
         layout = {
             "batch_size": batch_size,
@@ -312,14 +314,54 @@ class BaseKVCacheEngine:
             self._tags.check_call(cache_tag, self.window, start_frame, chunk_layout, layout)
             if self.sink_update == "ema":
                 self._check_ema_call(cache_tag, start_frame, chunk_layout, store_kv)
-            return
-        if self.sink_update == "ema":
-            raise ValueError(
-                "A call under its own `attention_window` evicts nothing, so it cannot fold evicted frames into an EMA "
-                "sink: use sink_update='fixed' with per-call windows."
-            )
-        self._tags.check_call(cache_tag, attention_window, start_frame, chunk_layout, layout, check_held=False)
-        self.check_call_window(cache_tag, attention_window, start_frame, chunk_layout[0])
+        else:
+            if self.sink_update == "ema":
+                raise ValueError(
+                    "A call under its own `attention_window` evicts nothing, so it cannot fold evicted frames into an "
+                    "EMA sink: use sink_update='fixed' with per-call windows."
+                )
+            self._tags.check_call(cache_tag, attention_window, start_frame, chunk_layout, layout, check_held=False)
+            self.check_call_window(cache_tag, attention_window, start_frame, chunk_layout[0])
+        if self.keys_before_rope and len(chunk_layout) > 1:
+            self._check_chunk_positions(cache_tag, start_frame, tuple(chunk_layout), attention_window)
+
+    def _check_chunk_positions(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        chunk_layout: tuple[int, ...],
+        attention_window: AttentionWindow | None,
+    ) -> None:
+        """Raise ``ValueError`` when a call of several chunks cannot give every chunk the key positions it would have
+        run chunk by chunk (keys stored before RoPE).
+
+        A call rotates its keys once, by the positions its mode gives the keys of its first chunk
+        (:meth:`key_positions`); a later chunk attends to a subset of them (the mask). RoPE sees only differences of
+        positions, so the call is exact iff, for every chunk, the positions the call gives the keys that chunk sees
+        differ by one constant from those the mode gives them in a call of that chunk alone. ``"window"`` and
+        ``"anchor"`` position keys by the frames attended, so once the window slides inside the call (a later chunk
+        no longer sees some frames the first one sees) they differ: refused rather than a silently different result.
+        """
+        num_frames = sum(chunk_layout)
+        window = self.window if attention_window is None else attention_window
+        rope_offset = self.rope_offset(cache_tag)
+        frames = self._key_frames(cache_tag, start_frame, num_frames, chunk_layout[0], False, attention_window)
+        in_call = dict(zip(frames, self._rope_mode.rule(frames, window, rope_offset)))
+        chunk_start = start_frame
+        for chunk_frames in chunk_layout:
+            chunk_end = chunk_start + chunk_frames
+            seen = [frame for frame in frames if window.sees(frame, chunk_end)]
+            alone = self._rope_mode.rule(seen, window, rope_offset)
+            if len({in_call[frame] - position for frame, position in zip(seen, alone)}) > 1:
+                raise ValueError(
+                    f"`rope_positions={self.rope_positions!r}` positions keys by the frames a chunk attends to, and a "
+                    f"call rotates its keys once: in this call of chunks {chunk_layout} at start_frame={start_frame}, "
+                    f"the chunk at latent frame {chunk_start} attends to a different window (window_frames="
+                    f"{window.frames}, sink_frames={window.sink}) than the first chunk, so its keys would sit at "
+                    "other positions than in a call of that chunk alone. Run one chunk per call once the window "
+                    "slides, make the call one chunk (`chunk_layout=(F,)`), or use rope_positions='absolute'."
+                )
+            chunk_start = chunk_end
 
     def check_call_window(
         self, cache_tag: str, attention_window: AttentionWindow, start_frame: int, first_chunk_frames: int

@@ -1,0 +1,66 @@
+"""Combinations of the cache features that must compose exactly or be refused before any work: read-time key
+positions with calls of several chunks, engines of one model sharing their query positions, a windowed recache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_causal_transformer
+
+from fastgen_diffusers.kv_cache import make_engines
+
+
+def _inputs(num_frames: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 16, num_frames, 4, 4, generator=generator)
+    text = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(99))
+    return x, torch.full((1,), 500.0), text
+
+
+def _model(kind: str, rope_positions: str, max_frames: int = 12):
+    model = make_causal_transformer(chunk_size=3)
+    engines = make_engines(
+        model, kind, max_frames=max_frames, window_frames=9, sink_frames=3, rope_positions=rope_positions
+    )
+    model.set_kv_cache_engines(engines)
+    return model
+
+
+def _chunk_by_chunk(model, x, t, text):
+    outputs = []
+    for start in range(0, x.shape[2], 3):
+        chunk = x[:, :, start : start + 3]
+        outputs.append(model(chunk, t, text, start_frame=start, return_dict=False)[0])
+        model(chunk, t, text, start_frame=start, store_kv=True)
+    return torch.cat(outputs, dim=2)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["static", "vanilla"])
+@pytest.mark.parametrize("rope_positions", ["window", "anchor"])
+def test_multi_chunk_call_whose_window_slides_is_refused_with_read_time_positions(kind, rope_positions):
+    """Keys stored before RoPE are rotated once per call; a 12-frame call under window 9 / sink 3 has a last chunk
+    that no longer sees frames the first sees, so chunk by chunk it would position its keys differently (1e-2 off
+    before this check). Refused before any work; a call whose window does not slide (6 frames) stays exact."""
+    model = _model(kind, rope_positions)
+    x, t, text = _inputs(12)
+    with pytest.raises(ValueError, match="rotates its keys once"):
+        model(x, t, text)
+    with pytest.raises(ValueError, match="rotates its keys once"):
+        model(x, t, text, store_kv=True)
+    assert model.kv_cache_engines["main"].num_stored_frames("pos") == 0
+    whole = model(x[:, :, :6], t, text, return_dict=False)[0]
+    model.clear_caches()
+    torch.testing.assert_close(whole, _chunk_by_chunk(model, x[:, :, :6], t, text), rtol=0, atol=2e-6)
+    # one chunk (no mask) is a single rotation: allowed wherever it fits the window
+    model.clear_caches()
+    model(x[:, :, :9], t, text, chunk_layout=(9,))
+
+
+@torch.no_grad()
+def test_multi_chunk_call_with_absolute_positions_equals_chunk_by_chunk_when_the_window_slides():
+    model = _model("static", "absolute")
+    x, t, text = _inputs(12)
+    whole = model(x, t, text, return_dict=False)[0]
+    model.clear_caches()
+    torch.testing.assert_close(whole, _chunk_by_chunk(model, x, t, text), rtol=0, atol=2e-6)
