@@ -64,3 +64,36 @@ def test_multi_chunk_call_with_absolute_positions_equals_chunk_by_chunk_when_the
     whole = model(x, t, text, return_dict=False)[0]
     model.clear_caches()
     torch.testing.assert_close(whole, _chunk_by_chunk(model, x, t, text), rtol=0, atol=2e-6)
+
+
+
+@torch.no_grad()
+def test_engines_whose_read_time_query_positions_differ_are_refused_before_any_work():
+    """The VACE model's two branches rotate one set of queries: with window-relative positions, engines with other
+    windows give them other positions once the windows differ in what they see; refused in the call check (nothing
+    evicted or stored), while anchor positions (absolute queries) let each branch keep its own window."""
+    from test_vace import make_vace, randn
+
+    from fastgen_diffusers.kv_cache import VanillaKVCacheEngine
+
+    def run(rope_positions):
+        model = make_vace()
+        model.set_kv_cache_engines(
+            {
+                "main": VanillaKVCacheEngine(window_frames=8, sink_frames=2, rope_positions=rope_positions),
+                "vace": VanillaKVCacheEngine(window_frames=6, sink_frames=2, rope_positions=rope_positions),
+            }
+        )
+        text, control = randn(1, 8, 32, seed=1), randn(1, 96, 2, 4, 4, seed=2)
+        for start in range(0, 6, 2):  # both windows still see every frame
+            x = randn(1, 16, 2, 4, 4, seed=start)
+            model(x, torch.zeros(1), text, control_hidden_states=control, start_frame=start, store_kv=True)
+        return model, x, text, control
+
+    model, x, text, control = run("window")
+    states = {name: engine.tag_state("pos").copy() for name, engine in model.kv_cache_engines.items()}
+    with pytest.raises(ValueError, match="different RoPE positions"):
+        model(x, torch.zeros(1), text, control_hidden_states=control, start_frame=6)
+    assert {name: engine.tag_state("pos") for name, engine in model.kv_cache_engines.items()} == states
+    model, x, text, control = run("anchor")
+    model(x, torch.zeros(1), text, control_hidden_states=control, start_frame=6)

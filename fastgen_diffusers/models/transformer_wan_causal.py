@@ -492,7 +492,8 @@ class CausalWanMixin:
             )
         if not self._keys_before_rope():
             self._rope_offset_for(cache_tag, start_frame, num_frames // p_t, post_h, post_w)
-        for engine in self.kv_cache_engines.values():
+        query_positions = {}
+        for name, engine in self.kv_cache_engines.items():
             engine.check_call(
                 cache_tag,
                 start_frame=start_frame,
@@ -511,6 +512,13 @@ class CausalWanMixin:
                     cache_tag, start_frame, num_frames // p_t, layout[0], attention_window=attention_window
                 )
                 self.rotary_tables.check_positions(positions.keys, post_h, post_w)
+                query_positions[name] = positions.queries
+        if len(set(query_positions.values())) > 1:  # one rotation of the queries serves every branch's blocks
+            raise ValueError(
+                "The engines of this model give this call's queries different RoPE positions "
+                f"(first frame at {dict((name, positions[0]) for name, positions in query_positions.items())}): "
+                "with rope_positions='window' every engine needs the same `window_frames` and `sink_frames`."
+            )
         return num_frames // p_t, post_h, post_w, timestep_values
 
     # ------------------------------------------------------------------ per-block attention inputs
@@ -584,7 +592,7 @@ class CausalWanMixin:
 
     def _key_rotations(self, engine, ctx: CausalContext, static, grid, device) -> torch.Tensor:
         """``(1, Lk, 1, D/2, 2)`` rotations of the keys ``engine`` returns for this call (static: one per buffer slot);
-        records the call's query positions on ``ctx`` (every engine must agree on them)."""
+        records the call's query positions on ``ctx`` (every engine gives the same: :meth:`_check_call`)."""
         positions = engine.key_positions(
             ctx.cache_tag,
             ctx.start_frame,
@@ -593,8 +601,6 @@ class CausalWanMixin:
             in_place=static is not None,
             attention_window=ctx.attention_window,
         )
-        if ctx.query_positions is not None and ctx.query_positions != positions.queries:
-            raise ValueError("The engines of this model give the call's queries different RoPE positions.")
         ctx.query_positions = positions.queries
         keys = positions.keys
         if static is not None:  # one rotation per slot of the buffers (fixed shape), identity past the valid slots
