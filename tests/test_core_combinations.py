@@ -66,7 +66,6 @@ def test_multi_chunk_call_with_absolute_positions_equals_chunk_by_chunk_when_the
     torch.testing.assert_close(whole, _chunk_by_chunk(model, x, t, text), rtol=0, atol=2e-6)
 
 
-
 @torch.no_grad()
 def test_engines_whose_read_time_query_positions_differ_are_refused_before_any_work():
     """The VACE model's two branches rotate one set of queries: with window-relative positions, engines with other

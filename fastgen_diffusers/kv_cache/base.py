@@ -182,9 +182,9 @@ class BaseKVCacheEngine:
 
     Subclasses implement :meth:`_new_self_entry`, :meth:`_self_prefix_pieces`, :meth:`append_self_kv`,
     :meth:`_truncate_self_entry`, :meth:`_evict_self_entry`, :meth:`_rotate_self_entry`, :meth:`_copy_self_entry`
-    and :meth:`_self_entry_tensors`, and may override :meth:`self_attention_kv` to avoid building
-    ``[prefix | current]`` by concatenation. An engine that writes tensors in place records how to undo each write
-    in the open :class:`Transaction` (``self._transaction``).
+    and :meth:`_self_entry_tensors` (and, for the EMA sink, :meth:`_frames_kv` and :meth:`_replace_sink`). An
+    engine that writes tensors in place records how to undo each write in the open :class:`Transaction`
+    (``self._transaction``).
 
     Args:
         window_frames: attend to at most this many latent frames per chunk (its own frames and the sink included);
@@ -676,10 +676,8 @@ class BaseKVCacheEngine:
         ``start_frame`` whose first chunk has ``first_chunk_frames`` frames (the window shrinks as it grows), under
         the engine's window or the call's own ``attention_window``.
 
-        ``None`` when nothing is visible. The attention path asks :meth:`self_attention_kv` for
-        ``[prefix | this call]`` in one piece instead: the prefix alone and then a concatenation with the call
-        would copy the prefix twice (and the static engine's hot path copies nothing). Both read the same
-        :meth:`_self_prefix_pieces`, so they cannot disagree.
+        ``None`` when nothing is visible. The attention path gathers it right before each block runs
+        (``SelfAttentionInputs.load``), unless the static engine serves the call in place (``static_call``).
         """
         keys, values = self._self_prefix_pieces(
             block_idx, cache_tag, start_frame, first_chunk_frames, attention_window
@@ -689,27 +687,6 @@ class BaseKVCacheEngine:
         if len(keys) == 1:
             return keys[0], values[0]
         return torch.cat(keys, dim=1), torch.cat(values, dim=1)
-
-    def self_attention_kv(
-        self,
-        block_idx: int,
-        cache_tag: str,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        start_frame: int,
-        first_chunk_frames: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``(B, prefix + L, H, D)`` to attend to: ``[visible cached prefix | this call]``.
-
-        ``key``/``value`` are this call's ``(B, L, H, D)``; ``first_chunk_frames`` is the frame count of the call's
-        first chunk (``None``: the call is one chunk). The prefix is in frame order, as the block masks expect.
-        """
-        if first_chunk_frames is None:
-            first_chunk_frames = key.shape[1] // self._tags[cache_tag].frame_seqlen
-        keys, values = self._self_prefix_pieces(block_idx, cache_tag, start_frame, first_chunk_frames)
-        if not keys:
-            return key, value
-        return torch.cat([*keys, key], dim=1), torch.cat([*values, value], dim=1)
 
     def commit_store(
         self, cache_tag: str, start_frame: int, num_frames: int, chunk_layout: Sequence[int] | None = None
