@@ -13,8 +13,11 @@ part          module                                       holds
 ``blocks``    :mod:`~fastgen_diffusers.kv_cache.registry`  ``id(attn_module) -> block index``
 ============  ===========================================  ===================================================
 
-Block-causal masks are memoised by the model (:mod:`~fastgen_diffusers.kv_cache.masks`), byte formulas live in
-:mod:`~fastgen_diffusers.kv_cache.accounting`.
+The policies an engine applies are rules in their own modules too: key positions
+(:mod:`~fastgen_diffusers.kv_cache.positions`), the EMA sink (:mod:`~fastgen_diffusers.kv_cache.ema_sink`), 8-bit
+storage (:mod:`~fastgen_diffusers.kv_cache.quantize`) and the checks that tie the options together
+(:mod:`~fastgen_diffusers.kv_cache.options`). Block-causal masks are memoised by the model
+(:mod:`~fastgen_diffusers.kv_cache.masks`), byte formulas live in :mod:`~fastgen_diffusers.kv_cache.accounting`.
 
 Self-attention keys are stored after ``norm_k`` and RoPE (``rope_positions="absolute"``, the default) or after
 ``norm_k`` only (any other mode, :mod:`~fastgen_diffusers.kv_cache.positions`: the model rotates them at read time at
@@ -57,111 +60,23 @@ from torch import nn
 
 from .accounting import expected_scale_bytes, tensor_bytes
 from .cross import ConditioningKey, CrossKVCache, CrossKVEntry, CrossKVMode
-from .positions import ROPE_POSITION_MODES, RopePositionMode, RopePositions
-from .quantize import QuantizedFrames, quantize_frames, resolve_kv_cache_dtype
+from .ema_sink import check_ema_chunks, check_ema_eviction, ema_update
+from .options import SINK_UPDATES, check_kv_cache_dtype, check_rope_and_sink_settings
+from .positions import RopePositions, check_chunk_positions
+from .quantize import QuantizedFrames, quantize_frames
 from .registry import BlockRegistry
 from .tags import TagState, TagTable
 from .window import AttentionWindow
 
-SINK_UPDATES = ("fixed", "ema")
-
-
-def check_rope_and_sink_settings(
-    window: AttentionWindow,
-    rope_positions: Any,
-    sink_update: Any,
-    sink_decay: Any,
-    *,
-    window_name: str = "window_frames",
-    sink_name: str = "sink_frames",
-) -> RopePositionMode:
-    """Raise ``ValueError`` for a positions mode or sink update that cannot work with ``window``; returns the mode.
-
-    * ``rope_positions`` must be one of :data:`~fastgen_diffusers.kv_cache.positions.ROPE_POSITION_MODES`; ``"window"``
-      and ``"anchor"`` need a sliding window (positions are slots of it, or the sink moved next to it);
-    * ``sink_update`` must be ``"fixed"`` or ``"ema"``; ``"ema"`` needs sink frames and keys stored before RoPE (an
-      average of keys rotated for different frames mixes their positions), so ``rope_positions`` other than
-      ``"absolute"``;
-    * ``sink_decay`` must be a number in ``(0, 1)``.
-    """
-    if not isinstance(rope_positions, str) or rope_positions not in ROPE_POSITION_MODES:
-        raise ValueError(f"`rope_positions` must be one of {tuple(ROPE_POSITION_MODES)}, got {rope_positions!r}.")
-    mode = ROPE_POSITION_MODES[rope_positions]
-    if mode.needs_window and not window.bounded:
-        raise ValueError(
-            f"`rope_positions={rope_positions!r}` positions keys within the sliding window and its sink: set "
-            f"`{window_name}` as well (or use rope_positions='absolute')."
-        )
-    if not isinstance(sink_update, str) or sink_update not in SINK_UPDATES:
-        raise ValueError(f"`sink_update` must be one of {SINK_UPDATES}, got {sink_update!r}.")
-    if isinstance(sink_decay, bool) or not isinstance(sink_decay, (int, float)) or not 0 < sink_decay < 1:
-        raise ValueError(f"`sink_decay` must be a number in (0, 1) (exclusive), got {sink_decay!r}.")
-    if sink_update == "ema":
-        if not window.sink:
-            raise ValueError(
-                f"`sink_update='ema'` averages evicted frames into the sink: set `{sink_name}` > 0 (and "
-                f"`{window_name}`), or use sink_update='fixed'."
-            )
-        if not mode.keys_before_rope:
-            unrotated = tuple(name for name, entry in ROPE_POSITION_MODES.items() if entry.keys_before_rope)
-            raise ValueError(
-                "`sink_update='ema'` averages the keys of frames at different positions, which needs keys stored "
-                f"before RoPE: use rope_positions in {unrotated}, not 'absolute' (or sink_update='fixed')."
-            )
-    return mode
-
-
-def check_ema_eviction(
-    window: AttentionWindow, start_frame: int, chunk_layout: Sequence[int], evicted_before: int, store_kv: bool
-) -> int:
-    """Raise ``ValueError`` unless the EMA sink can take what a call evicts; returns the new ``evicted_before``.
-
-    ``sink_update="ema"`` folds the frames a call evicts when it begins into the sink frame by frame, so every
-    eviction must remove exactly ``sink`` frames (Reward Forcing: chunks of the sink's size), and a store of several
-    chunks must not evict more when it ends. A different count is refused rather than guessed (Reward Forcing's code
-    would copy the evicted frames over the sink then, a case its released setting never reaches).
-    """
-    _, recent_start = window.visible(start_frame, chunk_layout[0])
-    first = max(window.sink, evicted_before)
-    evicted = recent_start - first
-    if 0 < evicted != window.sink:
-        raise ValueError(
-            f"`sink_update='ema'` folds the frames leaving the window into the sink frame by frame, so every eviction "
-            f"must remove exactly sink_frames={window.sink} frames; the chunk at latent frame {start_frame} evicts "
-            f"{evicted} (frames [{first}, {recent_start})). Use chunks of {window.sink} frames (a latent frame count "
-            "that is a multiple of them, so that no chunk absorbs a remainder) with the window minus the sink a "
-            "multiple of them (Reward Forcing: chunks of 3, window 9, sink 3), or sink_update='fixed'."
-        )
-    end_frame = start_frame + sum(chunk_layout)
-    if store_kv and len(chunk_layout) > 1 and window.recent_start(end_frame) > max(first, recent_start):
-        raise ValueError(
-            f"`sink_update='ema'` updates the sink when a call begins; a store of several chunks "
-            f"({tuple(chunk_layout)} frames at latent frame {start_frame}) would evict more frames when it ends. "
-            "Store one chunk per call once the window slides, or use sink_update='fixed'."
-        )
-    return max(evicted_before, recent_start)
-
-
-def check_ema_chunks(window: AttentionWindow, chunk_bounds: Sequence[tuple[int, int]]) -> None:
-    """:func:`check_ema_eviction` for a rollout of one-chunk calls ``chunk_bounds`` (checked before any work)."""
-    evicted_before = 0
-    for start, end in chunk_bounds:
-        evicted_before = check_ema_eviction(window, start, (end - start,), evicted_before, store_kv=True)
-
-
-def check_kv_cache_dtype(kv_cache_dtype: Any, sink_update: str = "fixed") -> torch.dtype | None:
-    """The resolved 8-bit storage dtype (:func:`~fastgen_diffusers.kv_cache.quantize.resolve_kv_cache_dtype`), or a
-    ``ValueError``: an unsupported dtype, or an 8-bit cache with ``sink_update="ema"``, whose updates of
-    ``(1 - sink_decay)`` of a difference (0.001 for Reward Forcing) are far below the 8-bit resolution of the stored
-    sink (1/254 of its range): re-quantized, the sink would not follow the EMA."""
-    dtype = resolve_kv_cache_dtype(kv_cache_dtype)
-    if dtype is not None and sink_update == "ema":
-        raise ValueError(
-            f"`sink_update='ema'` cannot be combined with an 8-bit `kv_cache_dtype` ({kv_cache_dtype!r}): each EMA "
-            "step moves the stored sink by less than its 8-bit resolution. Use kv_cache_dtype=None or "
-            "sink_update='fixed'."
-        )
-    return dtype
+# re-exported: callers (pipelines) check the same rules before any work
+__all__ = [
+    "SINK_UPDATES",
+    "BaseKVCacheEngine",
+    "Transaction",
+    "check_ema_chunks",
+    "check_kv_cache_dtype",
+    "check_rope_and_sink_settings",
+]
 
 
 @dataclass
@@ -333,35 +248,13 @@ class BaseKVCacheEngine:
         attention_window: AttentionWindow | None,
     ) -> None:
         """Raise ``ValueError`` when a call of several chunks cannot give every chunk the key positions it would have
-        run chunk by chunk (keys stored before RoPE).
-
-        A call rotates its keys once, by the positions its mode gives the keys of its first chunk
-        (:meth:`key_positions`); a later chunk attends to a subset of them (the mask). RoPE sees only differences of
-        positions, so the call is exact iff, for every chunk, the positions the call gives the keys that chunk sees
-        differ by one constant from those the mode gives them in a call of that chunk alone. ``"window"`` and
-        ``"anchor"`` position keys by the frames attended, so once the window slides inside the call (a later chunk
-        no longer sees some frames the first one sees) they differ: refused rather than a silently different result.
-        """
-        num_frames = sum(chunk_layout)
+        run chunk by chunk (keys stored before RoPE; :func:`~.positions.check_chunk_positions` over the keys of
+        :meth:`key_positions`)."""
         window = self.window if attention_window is None else attention_window
-        rope_offset = self.rope_offset(cache_tag)
-        frames = self._key_frames(cache_tag, start_frame, num_frames, chunk_layout[0], False, attention_window)
-        in_call = dict(zip(frames, self._rope_mode.rule(frames, window, rope_offset)))
-        chunk_start = start_frame
-        for chunk_frames in chunk_layout:
-            chunk_end = chunk_start + chunk_frames
-            seen = [frame for frame in frames if window.sees(frame, chunk_end)]
-            alone = self._rope_mode.rule(seen, window, rope_offset)
-            if len({in_call[frame] - position for frame, position in zip(seen, alone)}) > 1:
-                raise ValueError(
-                    f"`rope_positions={self.rope_positions!r}` positions keys by the frames a chunk attends to, and a "
-                    f"call rotates its keys once: in this call of chunks {chunk_layout} at start_frame={start_frame}, "
-                    f"the chunk at latent frame {chunk_start} attends to a different window (window_frames="
-                    f"{window.frames}, sink_frames={window.sink}) than the first chunk, so its keys would sit at "
-                    "other positions than in a call of that chunk alone. Run one chunk per call once the window "
-                    "slides, make the call one chunk (`chunk_layout=(F,)`), or use rope_positions='absolute'."
-                )
-            chunk_start = chunk_end
+        frames = self._key_frames(cache_tag, start_frame, sum(chunk_layout), chunk_layout[0], False, attention_window)
+        check_chunk_positions(
+            self.rope_positions, window, frames, start_frame, chunk_layout, self.rope_offset(cache_tag)
+        )
 
     def check_call_window(
         self, cache_tag: str, attention_window: AttentionWindow, start_frame: int, first_chunk_frames: int
@@ -379,26 +272,10 @@ class BaseKVCacheEngine:
                 f"`attention_window` must be an AttentionWindow or None, got {type(attention_window).__name__}."
             )
         state = self._tags.get(cache_tag)
-        if not self.window.bounded or state is None:
-            return
-        if not attention_window.bounded:
-            raise ValueError(
-                "An unbounded `attention_window` attends to every earlier frame, but the engine holds only its "
-                f"window (window_frames={self.window.frames}, sink_frames={self.window.sink}); give the call a "
-                "bounded window within it."
+        if state is not None:
+            self.window.check_call_window(
+                attention_window, start_frame, first_chunk_frames, state.evicted_before, f"cache_tag {cache_tag!r}"
             )
-        held_from = max(self.window.sink, state.evicted_before)  # non-sink frames before it are gone
-        sink_end, recent_start = attention_window.visible(start_frame, first_chunk_frames)
-        for first, last in ((0, sink_end), (recent_start, start_frame)):
-            gone_first, gone_last = max(first, self.window.sink), min(last, held_from)
-            if gone_first < gone_last:
-                raise ValueError(
-                    f"A call at start_frame={start_frame} under attention_window={attention_window.frames} "
-                    f"(sink {attention_window.sink}) attends to frames [{gone_first}, {gone_last}) that cache_tag "
-                    f"{cache_tag!r} no longer holds (the engine's window_frames={self.window.frames}, "
-                    f"sink_frames={self.window.sink} keeps the sink and the frames from {held_from} on). Give the "
-                    "engine a window holding every frame its calls attend to."
-                )
 
     def _check_ema_call(self, cache_tag: str, start_frame: int, chunk_layout: Sequence[int], store_kv: bool) -> None:
         """The EMA sink folds the frames a call evicts into the sink frame by frame (:meth:`begin_call`)."""
@@ -553,12 +430,7 @@ class BaseKVCacheEngine:
             entry = self._self_kv[block_idx][cache_tag]
             sink_key, sink_value = self._frames_kv(entry, state, 0, last - first)
             key, value = self._frames_kv(entry, state, first, last)
-            self._replace_sink(
-                entry,
-                state,
-                decay * sink_key + (1 - decay) * key,
-                decay * sink_value + (1 - decay) * value,
-            )
+            self._replace_sink(entry, state, ema_update(sink_key, key, decay), ema_update(sink_value, value, decay))
 
     # ------------------------------------------------------------------ RoPE positions
     def key_positions(
