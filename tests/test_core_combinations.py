@@ -96,3 +96,57 @@ def test_engines_whose_read_time_query_positions_differ_are_refused_before_any_w
     assert {name: engine.tag_state("pos") for name, engine in model.kv_cache_engines.items()} == states
     model, x, text, control = run("anchor")
     model(x, torch.zeros(1), text, control_hidden_states=control, start_frame=6)
+
+
+ROLLBACK_CASES = {
+    "window+ema": dict(rope_positions="window", sink_update="ema"),
+    "window+int8": dict(rope_positions="window", kv_cache_dtype="int8"),
+    "anchor+fp8": dict(rope_positions="anchor", kv_cache_dtype=torch.float8_e4m3fn),
+    "absolute+int8": dict(kv_cache_dtype="int8"),
+}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["static", "vanilla"])
+@pytest.mark.parametrize("case", list(ROLLBACK_CASES))
+def test_a_failed_forward_restores_every_new_piece_of_state(kind, case):
+    """Window 9 / sink 3, chunks of 3, frames [0, 12) stored. Calls that fail in the last block after the first one
+    ran: a biased denoising call at 12 (evicts frames 6-8: the EMA folds them into the sink; the static engine's in-place
+    path, or an 8-bit cache's gathered one, writes the ring), its store, and a re-store of the last chunk. Every engine
+    then holds exactly what it held (keys before RoPE, scales, the EMA sink, the window position), and the next calls
+    give the numbers of a model that never saw the failures."""
+    import copy
+
+    from cache_state import assert_same_state, model_state
+
+    model = make_causal_transformer(chunk_size=3, num_layers=2)
+    options = dict(window_frames=9, sink_frames=3, **ROLLBACK_CASES[case])
+    model.set_kv_cache_engines(make_engines(model, kind, max_frames=15, **options))
+    for start in range(0, 12, 3):
+        x, t, text = _inputs(3, start)
+        model(x, torch.zeros(1), text, start_frame=start, store_kv=True)
+    before = model_state(model)
+    untouched = copy.deepcopy(model)
+    x, t, text = _inputs(3, 20)
+
+    def fail(module, args):
+        raise RuntimeError("boom")
+
+    handle = model.blocks[1].register_forward_pre_hook(fail)
+    try:
+        for start, store_kv in ((12, False), (12, True), (9, True)):
+            with pytest.raises(RuntimeError, match="boom"):
+                model(x, t, text, start_frame=start, store_kv=store_kv, kv_cache_attention_bias=0.5)
+    finally:
+        handle.remove()
+    assert_same_state(before, model_state(model))
+
+    def next_calls(m):
+        return [
+            m(x, t, text, start_frame=12, kv_cache_attention_bias=0.5, return_dict=False)[0],
+            m(x, torch.zeros(1), text, start_frame=12, store_kv=True, return_dict=False)[0],
+            m(x, t, text, start_frame=15, return_dict=False)[0],
+        ]
+
+    for got, expected in zip(next_calls(model), next_calls(untouched)):
+        assert torch.equal(got, expected)
