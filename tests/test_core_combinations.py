@@ -111,10 +111,10 @@ ROLLBACK_CASES = {
 @pytest.mark.parametrize("case", list(ROLLBACK_CASES))
 def test_a_failed_forward_restores_every_new_piece_of_state(kind, case):
     """Window 9 / sink 3, chunks of 3, frames [0, 12) stored. Calls that fail in the last block after the first one
-    ran: a biased denoising call at 12 (evicts frames 6-8: the EMA folds them into the sink; the static engine's in-place
-    path, or an 8-bit cache's gathered one, writes the ring), its store, and a re-store of the last chunk. Every engine
-    then holds exactly what it held (keys before RoPE, scales, the EMA sink, the window position), and the next calls
-    give the numbers of a model that never saw the failures."""
+    ran: a biased denoising call at 12 (evicts frames 6-8: the EMA folds them into the sink; the static engine's
+    in-place path, or an 8-bit cache's gathered one, writes the ring), its store, and a re-store of the last chunk.
+    Every engine then holds exactly what it held (keys before RoPE, scales, the EMA sink, the window position), and
+    the next calls give the numbers of a model that never saw the failures."""
     import copy
 
     from cache_state import assert_same_state, model_state
