@@ -150,3 +150,25 @@ def test_a_failed_forward_restores_every_new_piece_of_state(kind, case):
 
     for got, expected in zip(next_calls(model), next_calls(untouched)):
         assert torch.equal(got, expected)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["static", "vanilla"])
+def test_a_windowed_recache_takes_one_chunk_per_call(kind):
+    """Inside a windowed recache a call sees the held frames only, which no block mask describes: a call of several
+    chunks failed with a shape error inside the first block; it is now a clear error before any work."""
+    from cache_state import assert_same_state, model_state
+
+    model = _model(kind, "absolute", max_frames=24)
+    for start in range(0, 18, 3):
+        x, t, text = _inputs(3, start)
+        model(x, torch.zeros(1), text, start_frame=start, store_kv=True)
+    engine = model.kv_cache_engines["main"]
+    engine.truncate("pos", 3)
+    engine.skip_evicted("pos", 12)
+    before = model_state(model)
+    x, t, text = _inputs(6, 1)
+    with pytest.raises(ValueError, match="re-runs one chunk per call"):
+        model(x, t, text, start_frame=12)
+    assert_same_state(before, model_state(model))
+    model(x[:, :, :3], torch.zeros(1), text, start_frame=12, store_kv=True)  # one chunk: served

@@ -237,6 +237,13 @@ class BaseKVCacheEngine:
                 )
             self._tags.check_call(cache_tag, attention_window, start_frame, chunk_layout, layout, check_held=False)
             self.check_call_window(cache_tag, attention_window, start_frame, chunk_layout[0])
+        state = self._tags.get(cache_tag)
+        if state is not None and state.recaching and len(chunk_layout) > 1:
+            # its first chunk sees the held frames only, which the block masks (frame rule) do not describe
+            raise ValueError(
+                f"A windowed recache of cache_tag {cache_tag!r} (see `skip_evicted`) re-runs one chunk per call; got "
+                f"a call of chunks {tuple(chunk_layout)} at start_frame={start_frame}."
+            )
         if self.keys_before_rope and len(chunk_layout) > 1:
             self._check_chunk_positions(cache_tag, start_frame, tuple(chunk_layout), attention_window)
 
