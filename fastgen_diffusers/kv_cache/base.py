@@ -482,6 +482,18 @@ class BaseKVCacheEngine:
         own = range(start_frame, start_frame + num_frames)
         return [*range(sink_end), *range(recent_start, start_frame), *own]
 
+    def static_call(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        num_frames: int,
+        first_chunk_frames: int,
+        attention_window: AttentionWindow | None = None,
+    ) -> Any:
+        """The in-place plan of a call (:meth:`StaticKVCacheEngine.static_call`), or ``None``: the call gathers its
+        visible prefix (:meth:`get_self_prefix`), as every call of an engine without fixed buffers does."""
+        return None
+
     def _store_window(self, state: TagState, start_frame: int, end_frame: int) -> list[tuple[int, int]]:
         """Frame ranges of a store of ``[start_frame, end_frame)`` that the engine keeps; records what it evicts.
 

@@ -43,6 +43,7 @@ from .accounting import expected_self_cache_bytes, tensor_bytes
 from .base import BaseKVCacheEngine
 from .quantize import QuantizedFrames, stored_tensors
 from .tags import TagState
+from .window import AttentionWindow
 
 
 def _static_address(buffer: torch.Tensor) -> torch.Tensor:
@@ -308,11 +309,17 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
 
     # ------------------------------------------------------------------ fixed-shape attention (compiled rollouts)
     def static_call(
-        self, cache_tag: str, start_frame: int, num_frames: int, first_chunk_frames: int
+        self,
+        cache_tag: str,
+        start_frame: int,
+        num_frames: int,
+        first_chunk_frames: int,
+        attention_window: AttentionWindow | None = None,
     ) -> StaticCall | None:
         """The fixed-buffer plan of a call, shared by every block of the branch; ``None`` for a call it cannot serve
-        (not at the end of the cache, several chunks, gradients on, or an 8-bit cache, whose buffers attention cannot
-        read in place): that call gathers its prefix instead.
+        (not at the end of the cache, several chunks, gradients on, a windowed recache, a call under its own
+        ``attention_window``, whose frames are not the buffers' holding window, or an 8-bit cache, whose buffers
+        attention cannot read in place): that call gathers its prefix instead.
 
         The call's K/V are written at :attr:`StaticCall.write_index` into :meth:`static_buffers` (by the attention
         processor) and attention reads the buffers' valid slots. Slots that hold frames the open transaction must be
@@ -322,9 +329,8 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         state = self._tags.get(cache_tag)
         if state is None or start_frame != state.num_frames or first_chunk_frames != num_frames:
             return None
-        if self.kv_cache_dtype is not None:
-            return None
-        if state.recaching:  # a windowed recache attends to the held frames only, not the whole window
+        # a windowed recache attends to the held frames only, a per-call window to its own frames, not the buffers'
+        if state.recaching or attention_window is not None or self.kv_cache_dtype is not None:
             return None
         if torch.is_grad_enabled():
             return None

@@ -47,12 +47,8 @@ def build_attention_inputs(
     """
     inputs = {}
     for name, engine in engines.items():
-        static_call = getattr(engine, "static_call", None)
-        # a call under its own window gathers what it sees: the engine's fixed buffers hold its holding window
-        static = (
-            None
-            if static_call is None or ctx.attention_window is not None
-            else static_call(ctx.cache_tag, ctx.start_frame, ctx.num_frames, ctx.chunk_layout[0])
+        static = engine.static_call(
+            ctx.cache_tag, ctx.start_frame, ctx.num_frames, ctx.chunk_layout[0], ctx.attention_window
         )
         mask, bias = ctx.self_attention_masks(engine, device, None if static is None else static.slot_frames)
         key_rotary = None
