@@ -85,10 +85,6 @@ class RopePositions:
     keys: tuple[int, ...]
     queries: tuple[int, ...]
 
-    @property
-    def query_start(self) -> int:
-        return self.queries[0]
-
 
 def check_chunk_positions(
     mode_name: str,
