@@ -172,3 +172,51 @@ def test_a_windowed_recache_takes_one_chunk_per_call(kind):
         model(x, t, text, start_frame=12)
     assert_same_state(before, model_state(model))
     model(x[:, :, :3], torch.zeros(1), text, start_frame=12, store_kv=True)  # one chunk: served
+
+
+COMPOSED = {  # engine options, per-call window
+    "window-rope+bias": (dict(rope_positions="window"), None),
+    "anchor-rope+bias": (dict(rope_positions="anchor"), None),
+    "window-rope+ema+bias": (dict(rope_positions="window", sink_update="ema", sink_decay=0.9), None),
+    "window-rope+int8+bias": (dict(rope_positions="window", kv_cache_dtype="int8"), None),
+    "anchor-rope+call-window+bias": (dict(rope_positions="anchor"), (6, 3)),
+    "absolute+call-window+int8+bias": (dict(kv_cache_dtype="int8"), (6, 3)),
+}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("case", list(COMPOSED))
+def test_static_in_place_and_vanilla_gathered_paths_agree_on_composed_features(case):
+    """Window 9 / sink 3, 6 chunks of 3 (the static ring wraps), two biased denoising calls and a store per chunk.
+    The static engine's in-place path reads keys in ring order (rotations and bias per slot), the vanilla one gathers
+    them in frame order (an 8-bit cache or a per-call window sends the static engine down the gathered path too):
+    the same numbers, and the bias changes them."""
+    from fastgen_diffusers.kv_cache import AttentionWindow
+
+    options, call_window = COMPOSED[case]
+    call_window = None if call_window is None else AttentionWindow(*call_window)
+
+    def rollout(kind, bias):
+        model = make_causal_transformer(chunk_size=3, num_layers=2)
+        model.set_kv_cache_engines(make_engines(model, kind, max_frames=18, window_frames=9, sink_frames=3, **options))
+        outputs = []
+        for start in range(0, 18, 3):
+            x, t, text = _inputs(3, start)
+            for timestep in (700.0, 400.0):
+                outputs.append(
+                    model(
+                        x,
+                        torch.full((1,), timestep),
+                        text,
+                        start_frame=start,
+                        return_dict=False,
+                        kv_cache_attention_bias=bias,
+                        attention_window=call_window,
+                    )[0]  # fmt: skip
+                )
+            model(x, torch.zeros(1), text, start_frame=start, store_kv=True, attention_window=call_window)
+        return torch.stack(outputs)
+
+    static, vanilla = rollout("static", 0.5), rollout("vanilla", 0.5)
+    torch.testing.assert_close(static, vanilla, rtol=0, atol=2e-6)
+    assert (static - rollout("static", 1.0)).abs().max() > 1e-3
