@@ -220,3 +220,25 @@ def test_static_in_place_and_vanilla_gathered_paths_agree_on_composed_features(c
     static, vanilla = rollout("static", 0.5), rollout("vanilla", 0.5)
     torch.testing.assert_close(static, vanilla, rtol=0, atol=2e-6)
     assert (static - rollout("static", 1.0)).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_anchor_positions_past_the_rope_table_say_that_re_basing_does_not_apply():
+    """Anchor positions are absolute frames of keys stored before RoPE, which re-basing (a rotation of keys stored
+    after RoPE) cannot shift: past the table the call is refused before any work, with or without re-basing on,
+    and the message says so; window-relative positions never leave it."""
+    for rope_positions, refused in (("anchor", True), ("window", False)):
+        model = make_causal_transformer(chunk_size=3, rope_max_seq_len=8)
+        model.set_kv_cache_engines(
+            make_engines(model, "static", window_frames=6, sink_frames=3, rope_positions=rope_positions)
+        )
+        model.enable_rope_rebasing()
+        x, t, text = _inputs(3)
+        for start in (0, 3):
+            model(x, torch.zeros(1), text, start_frame=start, store_kv=True)
+        if refused:
+            with pytest.raises(ValueError, match=r"outside the RoPE table.*does not shift them"):
+                model(x, t, text, start_frame=6)
+            assert model.kv_cache_engines["main"].num_stored_frames("pos") == 6
+        else:
+            model(x, t, text, start_frame=6)

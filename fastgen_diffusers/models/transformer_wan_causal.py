@@ -511,7 +511,15 @@ class CausalWanMixin:
                 positions = engine.key_positions(
                     cache_tag, start_frame, num_frames // p_t, layout[0], attention_window=attention_window
                 )
-                self.rotary_tables.check_positions(positions.keys, post_h, post_w)
+                try:
+                    self.rotary_tables.check_positions(positions.keys, post_h, post_w)
+                except ValueError as error:  # re-basing shifts keys stored after RoPE only
+                    raise ValueError(
+                        f"{error} Engines with rope_positions={engine.rope_positions!r} store keys before RoPE and "
+                        "rotate them at these positions when read: `enable_rope_rebasing()` (absolute positions "
+                        "only) does not shift them. Keep the video within the table, or use rope_positions='window' "
+                        "(positions stay below the window)."
+                    ) from None
                 query_positions[name] = positions.queries
         if len(set(query_positions.values())) > 1:  # one rotation of the queries serves every branch's blocks
             raise ValueError(
