@@ -242,3 +242,39 @@ def test_anchor_positions_past_the_rope_table_say_that_re_basing_does_not_apply(
             assert model.kv_cache_engines["main"].num_stored_frames("pos") == 6
         else:
             model(x, t, text, start_frame=6)
+
+
+@torch.no_grad()
+def test_the_vace_model_takes_the_per_call_attention_options():
+    """The VACE pipeline's stored ``kv_cache_attention_bias`` reaches its transformer, whose forward lacked the option
+    (a TypeError at the first biased forward, after the rollout began): both branches are biased now, the static and
+    vanilla engines agree, and a one-chunk layout is the unmasked call."""
+    from test_vace import make_vace, randn
+
+    def run(kind, **options):
+        model = make_vace()
+        model.set_kv_cache_engines(make_engines(model, kind, max_frames=6))
+        text, control = randn(1, 8, 32, seed=1), randn(1, 96, 2, 4, 4, seed=2)
+        for start in (0, 2):
+            x = randn(1, 16, 2, 4, 4, seed=start)
+            model(x, torch.zeros(1), text, control_hidden_states=control, start_frame=start, store_kv=True)
+        x, control = randn(1, 16, 2, 4, 4, seed=9), randn(1, 96, 2, 4, 4, seed=3)
+        t = torch.full((1,), 500.0)
+        return model(x, t, text, control_hidden_states=control, start_frame=4, return_dict=False, **options)[0]
+
+    biased = run("static", kv_cache_attention_bias=0.5)
+    torch.testing.assert_close(biased, run("vanilla", kv_cache_attention_bias=0.5), rtol=0, atol=2e-6)
+    assert (biased - run("static")).abs().max() > 1e-3
+    torch.testing.assert_close(run("static", chunk_layout=(2,)), run("static"), rtol=0, atol=0)
+
+
+def test_a_vace_pipeline_with_a_stored_attention_bias_runs_biased():
+    from fastgen_diffusers.testing import tiny_vace_pipeline
+
+    pipe = tiny_vace_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(prompt="a cat", height=16, width=16, num_frames=21, num_inference_steps=2, output_type="latent")
+    plain = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    pipe.register_to_config(kv_cache_attention_bias=0.5)
+    biased = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    assert (biased - plain).abs().max() > 1e-4
