@@ -66,11 +66,13 @@ def test_hot_call_attends_to_a_view_of_the_preallocated_buffer(model, inputs):
     buffers = [(entry["pos"].key.data_ptr(), entry["pos"].value.data_ptr()) for entry in engine._self_kv]
     assert engine.allocated_self_cache_bytes() == expected_self_cache_bytes(2, 2, 2, NUM_FRAMES * 6, 32, torch.float32)
 
-    # The next chunk attends to keys that start at the buffer itself (no concatenation, no allocation).
-    key = torch.randn(2, 3 * 6, 2, 32)
-    full_key, full_value = engine.self_attention_kv(0, "pos", key, key, start_frame=5)
-    assert full_key.data_ptr() == buffers[0][0] and full_value.data_ptr() == buffers[0][1]
-    assert full_key.shape[1] == 8 * 6 and torch.equal(full_key[:, 5 * 6 :], key)
+    # The next chunk writes its K/V into slots 5..7 of the buffers and attends to their first 8 frames' tokens.
+    with torch.no_grad():
+        call = engine.static_call("pos", start_frame=5, num_frames=3, first_chunk_frames=3)
+    key_cache, value_cache = engine.static_buffers(0, "pos")
+    assert (key_cache.data_ptr(), value_cache.data_ptr()) == buffers[0]
+    assert call.write_index.tolist() == list(range(5 * 6, 8 * 6)) and call.valid_tokens == 8 * 6
+    assert call.slot_frames == tuple(range(8))
 
     with torch.no_grad():
         for start, end in chunk_bounds(model)[1:]:

@@ -13,8 +13,11 @@ part          module                                       holds
 ``blocks``    :mod:`~fastgen_diffusers.kv_cache.registry`  ``id(attn_module) -> block index``
 ============  ===========================================  ===================================================
 
-Block-causal masks are memoised by the model (:mod:`~fastgen_diffusers.kv_cache.masks`), byte formulas live in
-:mod:`~fastgen_diffusers.kv_cache.accounting`.
+The policies an engine applies are rules in their own modules too: key positions
+(:mod:`~fastgen_diffusers.kv_cache.positions`), the EMA sink (:mod:`~fastgen_diffusers.kv_cache.ema_sink`), 8-bit
+storage (:mod:`~fastgen_diffusers.kv_cache.quantize`) and the checks that tie the options together
+(:mod:`~fastgen_diffusers.kv_cache.options`). Block-causal masks are memoised by the model
+(:mod:`~fastgen_diffusers.kv_cache.masks`), byte formulas live in :mod:`~fastgen_diffusers.kv_cache.accounting`.
 
 Self-attention keys are stored after ``norm_k`` and RoPE (``rope_positions="absolute"``, the default) or after
 ``norm_k`` only (any other mode, :mod:`~fastgen_diffusers.kv_cache.positions`: the model rotates them at read time at
@@ -57,111 +60,23 @@ from torch import nn
 
 from .accounting import expected_scale_bytes, tensor_bytes
 from .cross import ConditioningKey, CrossKVCache, CrossKVEntry, CrossKVMode
-from .positions import ROPE_POSITION_MODES, RopePositionMode, RopePositions
-from .quantize import QuantizedFrames, quantize_frames, resolve_kv_cache_dtype
+from .ema_sink import check_ema_chunks, check_ema_eviction, ema_update
+from .options import SINK_UPDATES, check_kv_cache_dtype, check_rope_and_sink_settings
+from .positions import RopePositions, check_chunk_positions
+from .quantize import QuantizedFrames, quantize_frames
 from .registry import BlockRegistry
 from .tags import TagState, TagTable
 from .window import AttentionWindow
 
-SINK_UPDATES = ("fixed", "ema")
-
-
-def check_rope_and_sink_settings(
-    window: AttentionWindow,
-    rope_positions: Any,
-    sink_update: Any,
-    sink_decay: Any,
-    *,
-    window_name: str = "window_frames",
-    sink_name: str = "sink_frames",
-) -> RopePositionMode:
-    """Raise ``ValueError`` for a positions mode or sink update that cannot work with ``window``; returns the mode.
-
-    * ``rope_positions`` must be one of :data:`~fastgen_diffusers.kv_cache.positions.ROPE_POSITION_MODES`; ``"window"``
-      and ``"anchor"`` need a sliding window (positions are slots of it, or the sink moved next to it);
-    * ``sink_update`` must be ``"fixed"`` or ``"ema"``; ``"ema"`` needs sink frames and keys stored before RoPE (an
-      average of keys rotated for different frames mixes their positions), so ``rope_positions`` other than
-      ``"absolute"``;
-    * ``sink_decay`` must be a number in ``(0, 1)``.
-    """
-    if not isinstance(rope_positions, str) or rope_positions not in ROPE_POSITION_MODES:
-        raise ValueError(f"`rope_positions` must be one of {tuple(ROPE_POSITION_MODES)}, got {rope_positions!r}.")
-    mode = ROPE_POSITION_MODES[rope_positions]
-    if mode.needs_window and not window.bounded:
-        raise ValueError(
-            f"`rope_positions={rope_positions!r}` positions keys within the sliding window and its sink: set "
-            f"`{window_name}` as well (or use rope_positions='absolute')."
-        )
-    if not isinstance(sink_update, str) or sink_update not in SINK_UPDATES:
-        raise ValueError(f"`sink_update` must be one of {SINK_UPDATES}, got {sink_update!r}.")
-    if isinstance(sink_decay, bool) or not isinstance(sink_decay, (int, float)) or not 0 < sink_decay < 1:
-        raise ValueError(f"`sink_decay` must be a number in (0, 1) (exclusive), got {sink_decay!r}.")
-    if sink_update == "ema":
-        if not window.sink:
-            raise ValueError(
-                f"`sink_update='ema'` averages evicted frames into the sink: set `{sink_name}` > 0 (and "
-                f"`{window_name}`), or use sink_update='fixed'."
-            )
-        if not mode.keys_before_rope:
-            unrotated = tuple(name for name, entry in ROPE_POSITION_MODES.items() if entry.keys_before_rope)
-            raise ValueError(
-                "`sink_update='ema'` averages the keys of frames at different positions, which needs keys stored "
-                f"before RoPE: use rope_positions in {unrotated}, not 'absolute' (or sink_update='fixed')."
-            )
-    return mode
-
-
-def check_ema_eviction(
-    window: AttentionWindow, start_frame: int, chunk_layout: Sequence[int], evicted_before: int, store_kv: bool
-) -> int:
-    """Raise ``ValueError`` unless the EMA sink can take what a call evicts; returns the new ``evicted_before``.
-
-    ``sink_update="ema"`` folds the frames a call evicts when it begins into the sink frame by frame, so every
-    eviction must remove exactly ``sink`` frames (Reward Forcing: chunks of the sink's size), and a store of several
-    chunks must not evict more when it ends. A different count is refused rather than guessed (Reward Forcing's code
-    would copy the evicted frames over the sink then, a case its released setting never reaches).
-    """
-    _, recent_start = window.visible(start_frame, chunk_layout[0])
-    first = max(window.sink, evicted_before)
-    evicted = recent_start - first
-    if 0 < evicted != window.sink:
-        raise ValueError(
-            f"`sink_update='ema'` folds the frames leaving the window into the sink frame by frame, so every eviction "
-            f"must remove exactly sink_frames={window.sink} frames; the chunk at latent frame {start_frame} evicts "
-            f"{evicted} (frames [{first}, {recent_start})). Use chunks of {window.sink} frames (a latent frame count "
-            "that is a multiple of them, so that no chunk absorbs a remainder) with the window minus the sink a "
-            "multiple of them (Reward Forcing: chunks of 3, window 9, sink 3), or sink_update='fixed'."
-        )
-    end_frame = start_frame + sum(chunk_layout)
-    if store_kv and len(chunk_layout) > 1 and window.recent_start(end_frame) > max(first, recent_start):
-        raise ValueError(
-            f"`sink_update='ema'` updates the sink when a call begins; a store of several chunks "
-            f"({tuple(chunk_layout)} frames at latent frame {start_frame}) would evict more frames when it ends. "
-            "Store one chunk per call once the window slides, or use sink_update='fixed'."
-        )
-    return max(evicted_before, recent_start)
-
-
-def check_ema_chunks(window: AttentionWindow, chunk_bounds: Sequence[tuple[int, int]]) -> None:
-    """:func:`check_ema_eviction` for a rollout of one-chunk calls ``chunk_bounds`` (checked before any work)."""
-    evicted_before = 0
-    for start, end in chunk_bounds:
-        evicted_before = check_ema_eviction(window, start, (end - start,), evicted_before, store_kv=True)
-
-
-def check_kv_cache_dtype(kv_cache_dtype: Any, sink_update: str = "fixed") -> torch.dtype | None:
-    """The resolved 8-bit storage dtype (:func:`~fastgen_diffusers.kv_cache.quantize.resolve_kv_cache_dtype`), or a
-    ``ValueError``: an unsupported dtype, or an 8-bit cache with ``sink_update="ema"``, whose updates of
-    ``(1 - sink_decay)`` of a difference (0.001 for Reward Forcing) are far below the 8-bit resolution of the stored
-    sink (1/254 of its range): re-quantized, the sink would not follow the EMA."""
-    dtype = resolve_kv_cache_dtype(kv_cache_dtype)
-    if dtype is not None and sink_update == "ema":
-        raise ValueError(
-            f"`sink_update='ema'` cannot be combined with an 8-bit `kv_cache_dtype` ({kv_cache_dtype!r}): each EMA "
-            "step moves the stored sink by less than its 8-bit resolution. Use kv_cache_dtype=None or "
-            "sink_update='fixed'."
-        )
-    return dtype
+# re-exported: callers (pipelines) check the same rules before any work
+__all__ = [
+    "SINK_UPDATES",
+    "BaseKVCacheEngine",
+    "Transaction",
+    "check_ema_chunks",
+    "check_kv_cache_dtype",
+    "check_rope_and_sink_settings",
+]
 
 
 @dataclass
@@ -182,9 +97,9 @@ class BaseKVCacheEngine:
 
     Subclasses implement :meth:`_new_self_entry`, :meth:`_self_prefix_pieces`, :meth:`append_self_kv`,
     :meth:`_truncate_self_entry`, :meth:`_evict_self_entry`, :meth:`_rotate_self_entry`, :meth:`_copy_self_entry`
-    and :meth:`_self_entry_tensors`, and may override :meth:`self_attention_kv` to avoid building
-    ``[prefix | current]`` by concatenation. An engine that writes tensors in place records how to undo each write
-    in the open :class:`Transaction` (``self._transaction``).
+    and :meth:`_self_entry_tensors` (and, for the EMA sink, :meth:`_frames_kv` and :meth:`_replace_sink`). An
+    engine that writes tensors in place records how to undo each write in the open :class:`Transaction`
+    (``self._transaction``).
 
     Args:
         window_frames: attend to at most this many latent frames per chunk (its own frames and the sink included);
@@ -293,7 +208,9 @@ class BaseKVCacheEngine:
         ``chunk_layout`` is the call's split into chunks (frame counts); windowed engines check that each chunk fits
         the window and that the frames its first chunk attends to are still held. With ``sink_update="ema"`` the
         frames the call evicts must be as many as the sink's (see :meth:`begin_call`). ``attention_window`` is the
-        call's own window (see :meth:`check_call_window`), checked instead of the engine's.
+        call's own window (see :meth:`check_call_window`), checked instead of the engine's. With keys stored before
+        RoPE, a call of several chunks must give each chunk its chunk-by-chunk key positions
+        (:meth:`_check_chunk_positions`).
         """
         layout = {
             "batch_size": batch_size,
@@ -312,14 +229,39 @@ class BaseKVCacheEngine:
             self._tags.check_call(cache_tag, self.window, start_frame, chunk_layout, layout)
             if self.sink_update == "ema":
                 self._check_ema_call(cache_tag, start_frame, chunk_layout, store_kv)
-            return
-        if self.sink_update == "ema":
+        else:
+            if self.sink_update == "ema":
+                raise ValueError(
+                    "A call under its own `attention_window` evicts nothing, so it cannot fold evicted frames into an "
+                    "EMA sink: use sink_update='fixed' with per-call windows."
+                )
+            self._tags.check_call(cache_tag, attention_window, start_frame, chunk_layout, layout, check_held=False)
+            self.check_call_window(cache_tag, attention_window, start_frame, chunk_layout[0])
+        state = self._tags.get(cache_tag)
+        if state is not None and state.recaching and len(chunk_layout) > 1:
+            # its first chunk sees the held frames only, which the block masks (frame rule) do not describe
             raise ValueError(
-                "A call under its own `attention_window` evicts nothing, so it cannot fold evicted frames into an EMA "
-                "sink: use sink_update='fixed' with per-call windows."
+                f"A windowed recache of cache_tag {cache_tag!r} (see `skip_evicted`) re-runs one chunk per call; got "
+                f"a call of chunks {tuple(chunk_layout)} at start_frame={start_frame}."
             )
-        self._tags.check_call(cache_tag, attention_window, start_frame, chunk_layout, layout, check_held=False)
-        self.check_call_window(cache_tag, attention_window, start_frame, chunk_layout[0])
+        if self.keys_before_rope and len(chunk_layout) > 1:
+            self._check_chunk_positions(cache_tag, start_frame, tuple(chunk_layout), attention_window)
+
+    def _check_chunk_positions(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        chunk_layout: tuple[int, ...],
+        attention_window: AttentionWindow | None,
+    ) -> None:
+        """Raise ``ValueError`` when a call of several chunks cannot give every chunk the key positions it would have
+        run chunk by chunk (keys stored before RoPE; :func:`~.positions.check_chunk_positions` over the keys of
+        :meth:`key_positions`)."""
+        window = self.window if attention_window is None else attention_window
+        frames = self._key_frames(cache_tag, start_frame, sum(chunk_layout), chunk_layout[0], False, attention_window)
+        check_chunk_positions(
+            self.rope_positions, window, frames, start_frame, chunk_layout, self.rope_offset(cache_tag)
+        )
 
     def check_call_window(
         self, cache_tag: str, attention_window: AttentionWindow, start_frame: int, first_chunk_frames: int
@@ -337,26 +279,10 @@ class BaseKVCacheEngine:
                 f"`attention_window` must be an AttentionWindow or None, got {type(attention_window).__name__}."
             )
         state = self._tags.get(cache_tag)
-        if not self.window.bounded or state is None:
-            return
-        if not attention_window.bounded:
-            raise ValueError(
-                "An unbounded `attention_window` attends to every earlier frame, but the engine holds only its "
-                f"window (window_frames={self.window.frames}, sink_frames={self.window.sink}); give the call a "
-                "bounded window within it."
+        if state is not None:
+            self.window.check_call_window(
+                attention_window, start_frame, first_chunk_frames, state.evicted_before, f"cache_tag {cache_tag!r}"
             )
-        held_from = max(self.window.sink, state.evicted_before)  # non-sink frames before it are gone
-        sink_end, recent_start = attention_window.visible(start_frame, first_chunk_frames)
-        for first, last in ((0, sink_end), (recent_start, start_frame)):
-            gone_first, gone_last = max(first, self.window.sink), min(last, held_from)
-            if gone_first < gone_last:
-                raise ValueError(
-                    f"A call at start_frame={start_frame} under attention_window={attention_window.frames} "
-                    f"(sink {attention_window.sink}) attends to frames [{gone_first}, {gone_last}) that cache_tag "
-                    f"{cache_tag!r} no longer holds (the engine's window_frames={self.window.frames}, "
-                    f"sink_frames={self.window.sink} keeps the sink and the frames from {held_from} on). Give the "
-                    "engine a window holding every frame its calls attend to."
-                )
 
     def _check_ema_call(self, cache_tag: str, start_frame: int, chunk_layout: Sequence[int], store_kv: bool) -> None:
         """The EMA sink folds the frames a call evicts into the sink frame by frame (:meth:`begin_call`)."""
@@ -511,12 +437,7 @@ class BaseKVCacheEngine:
             entry = self._self_kv[block_idx][cache_tag]
             sink_key, sink_value = self._frames_kv(entry, state, 0, last - first)
             key, value = self._frames_kv(entry, state, first, last)
-            self._replace_sink(
-                entry,
-                state,
-                decay * sink_key + (1 - decay) * key,
-                decay * sink_value + (1 - decay) * value,
-            )
+            self._replace_sink(entry, state, ema_update(sink_key, key, decay), ema_update(sink_value, value, decay))
 
     # ------------------------------------------------------------------ RoPE positions
     def key_positions(
@@ -560,6 +481,18 @@ class BaseKVCacheEngine:
         sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
         own = range(start_frame, start_frame + num_frames)
         return [*range(sink_end), *range(recent_start, start_frame), *own]
+
+    def static_call(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        num_frames: int,
+        first_chunk_frames: int,
+        attention_window: AttentionWindow | None = None,
+    ) -> Any:
+        """The in-place plan of a call (:meth:`StaticKVCacheEngine.static_call`), or ``None``: the call gathers its
+        visible prefix (:meth:`get_self_prefix`), as every call of an engine without fixed buffers does."""
+        return None
 
     def _store_window(self, state: TagState, start_frame: int, end_frame: int) -> list[tuple[int, int]]:
         """Frame ranges of a store of ``[start_frame, end_frame)`` that the engine keeps; records what it evicts.
@@ -634,10 +567,8 @@ class BaseKVCacheEngine:
         ``start_frame`` whose first chunk has ``first_chunk_frames`` frames (the window shrinks as it grows), under
         the engine's window or the call's own ``attention_window``.
 
-        ``None`` when nothing is visible. The attention path asks :meth:`self_attention_kv` for
-        ``[prefix | this call]`` in one piece instead: the prefix alone and then a concatenation with the call
-        would copy the prefix twice (and the static engine's hot path copies nothing). Both read the same
-        :meth:`_self_prefix_pieces`, so they cannot disagree.
+        ``None`` when nothing is visible. The attention path gathers it right before each block runs
+        (``SelfAttentionInputs.load``), unless the static engine serves the call in place (``static_call``).
         """
         keys, values = self._self_prefix_pieces(
             block_idx, cache_tag, start_frame, first_chunk_frames, attention_window
@@ -647,27 +578,6 @@ class BaseKVCacheEngine:
         if len(keys) == 1:
             return keys[0], values[0]
         return torch.cat(keys, dim=1), torch.cat(values, dim=1)
-
-    def self_attention_kv(
-        self,
-        block_idx: int,
-        cache_tag: str,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        start_frame: int,
-        first_chunk_frames: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``(B, prefix + L, H, D)`` to attend to: ``[visible cached prefix | this call]``.
-
-        ``key``/``value`` are this call's ``(B, L, H, D)``; ``first_chunk_frames`` is the frame count of the call's
-        first chunk (``None``: the call is one chunk). The prefix is in frame order, as the block masks expect.
-        """
-        if first_chunk_frames is None:
-            first_chunk_frames = key.shape[1] // self._tags[cache_tag].frame_seqlen
-        keys, values = self._self_prefix_pieces(block_idx, cache_tag, start_frame, first_chunk_frames)
-        if not keys:
-            return key, value
-        return torch.cat([*keys, key], dim=1), torch.cat([*values, value], dim=1)
 
     def commit_store(
         self, cache_tag: str, start_frame: int, num_frames: int, chunk_layout: Sequence[int] | None = None

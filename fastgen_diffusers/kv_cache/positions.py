@@ -85,6 +85,39 @@ class RopePositions:
     keys: tuple[int, ...]
     queries: tuple[int, ...]
 
-    @property
-    def query_start(self) -> int:
-        return self.queries[0]
+
+def check_chunk_positions(
+    mode_name: str,
+    window: AttentionWindow,
+    frames: Sequence[int],
+    start_frame: int,
+    chunk_layout: Sequence[int],
+    rope_offset: int = 0,
+) -> None:
+    """Raise ``ValueError`` unless a call of several chunks gives every chunk the key positions of a call of that chunk
+    alone, under positions mode ``mode_name`` (keys stored before RoPE).
+
+    A call rotates the keys it attends to once, by the positions the mode gives ``frames`` (the keys of its first
+    chunk: visible prefix and the call's frames, in any order); a later chunk attends to a subset of them (the mask).
+    RoPE sees only differences of positions, so the call is exact iff, for every chunk, those positions of the keys it
+    sees differ by one constant from the positions the mode gives them alone. ``"window"`` and ``"anchor"`` position
+    keys by the frames attended, so once the window slides inside the call (a later chunk no longer sees some frames
+    the first one sees) they differ: refused rather than a silently different result.
+    """
+    rule = ROPE_POSITION_MODES[mode_name].rule
+    in_call = dict(zip(frames, rule(frames, window, rope_offset)))
+    chunk_start = start_frame
+    for chunk_frames in chunk_layout:
+        chunk_end = chunk_start + chunk_frames
+        seen = [frame for frame in frames if window.sees(frame, chunk_end)]
+        alone = rule(seen, window, rope_offset)
+        if len({in_call[frame] - position for frame, position in zip(seen, alone)}) > 1:
+            raise ValueError(
+                f"`rope_positions={mode_name!r}` positions keys by the frames a chunk attends to, and a call rotates "
+                f"its keys once: in this call of chunks {tuple(chunk_layout)} at start_frame={start_frame}, the chunk "
+                f"at latent frame {chunk_start} attends to a different window (window_frames={window.frames}, "
+                f"sink_frames={window.sink}) than the first chunk, so its keys would sit at other positions than in a "
+                "call of that chunk alone. Run one chunk per call once the window slides, make the call one chunk "
+                "(`chunk_layout=(F,)`), or use rope_positions='absolute'."
+            )
+        chunk_start = chunk_end

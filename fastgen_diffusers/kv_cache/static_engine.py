@@ -43,6 +43,7 @@ from .accounting import expected_self_cache_bytes, tensor_bytes
 from .base import BaseKVCacheEngine
 from .quantize import QuantizedFrames, stored_tensors
 from .tags import TagState
+from .window import AttentionWindow
 
 
 def _static_address(buffer: torch.Tensor) -> torch.Tensor:
@@ -63,9 +64,6 @@ class StaticSelfEntry:
 
     key: torch.Tensor | QuantizedFrames
     value: torch.Tensor | QuantizedFrames
-    # ``(start_frame, end_frame, key.data_ptr())`` of the call whose K/V the attention fast path just wrote into their
-    # slots; the store of that same call then has nothing left to copy. Cleared at every attention call.
-    written: tuple[int, int, int] | None = None
 
 
 @dataclass(eq=False)
@@ -251,7 +249,6 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
 
     def _restore_self_entry(self, snapshot) -> StaticSelfEntry:
         entry, entry.key, entry.value = snapshot  # buffers grown during the transaction are dropped
-        entry.written = None
         return entry
 
     def _keep_for_undo(self, entry: StaticSelfEntry, first_slot: int, last_slot: int, seqlen: int) -> None:
@@ -274,24 +271,6 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         transaction.extra["unsaved"][id(entry)] = remaining
 
     # ------------------------------------------------------------------ attention
-    def self_attention_kv(self, block_idx, cache_tag, key, value, start_frame, first_chunk_frames=None):
-        state = self._tags[cache_tag]
-        seqlen = state.frame_seqlen
-        num_frames = key.shape[1] // seqlen
-        end_frame = start_frame + num_frames
-        single_chunk = first_chunk_frames is None or first_chunk_frames == num_frames
-        in_frame_order = self.window.all_seen_until(end_frame)
-        hot = start_frame == state.num_frames and (single_chunk or in_frame_order)
-        hot = hot and not state.recaching and self.kv_cache_dtype is None
-        entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
-        entry.written = None
-        if not hot or key.requires_grad or value.requires_grad:
-            return super().self_attention_kv(block_idx, cache_tag, key, value, start_frame, first_chunk_frames)
-        self._write(entry, state, key, value, start_frame, (start_frame, end_frame))
-        entry.written = (start_frame, end_frame, key.data_ptr())
-        visible = self.window.slots(end_frame)
-        return entry.key[:, : visible * seqlen], entry.value[:, : visible * seqlen]
-
     def _key_frames(self, cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window=None):
         """On the in-place path (:meth:`static_call`) the keys are the buffer's first slots, in slot order: the sink,
         then the ring, whose order is not frame order once the window has wrapped."""
@@ -299,16 +278,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             return super()._key_frames(
                 cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window
             )
-        end_frame = start_frame + num_frames
-        window = self.window
-        held = [(0, end_frame)]
-        if not window.all_seen_until(end_frame):
-            held = [(0, window.sink), (window.recent_start(end_frame), end_frame)]
-        by_slot = {}
-        for first, last in held:
-            for frame, slot, count in self._slot_runs(first, last):
-                by_slot.update({slot + i: frame + i for i in range(count)})
-        return [by_slot[slot] for slot in range(window.slots(end_frame))]
+        return list(self._slot_frames(start_frame + num_frames))
 
     def _frames_kv(self, entry: StaticSelfEntry, state: TagState, first: int, last: int):
         seqlen = state.frame_seqlen
@@ -339,11 +309,17 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
 
     # ------------------------------------------------------------------ fixed-shape attention (compiled rollouts)
     def static_call(
-        self, cache_tag: str, start_frame: int, num_frames: int, first_chunk_frames: int
+        self,
+        cache_tag: str,
+        start_frame: int,
+        num_frames: int,
+        first_chunk_frames: int,
+        attention_window: AttentionWindow | None = None,
     ) -> StaticCall | None:
         """The fixed-buffer plan of a call, shared by every block of the branch; ``None`` for a call it cannot serve
-        (not at the end of the cache, several chunks, gradients on, or an 8-bit cache, whose buffers attention cannot
-        read in place): that call gathers its prefix instead.
+        (not at the end of the cache, several chunks, gradients on, a windowed recache, a call under its own
+        ``attention_window``, whose frames are not the buffers' holding window, or an 8-bit cache, whose buffers
+        attention cannot read in place): that call gathers its prefix instead.
 
         The call's K/V are written at :attr:`StaticCall.write_index` into :meth:`static_buffers` (by the attention
         processor) and attention reads the buffers' valid slots. Slots that hold frames the open transaction must be
@@ -353,9 +329,8 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         state = self._tags.get(cache_tag)
         if state is None or start_frame != state.num_frames or first_chunk_frames != num_frames:
             return None
-        if self.kv_cache_dtype is not None:
-            return None
-        if state.recaching:  # a windowed recache attends to the held frames only, not the whole window
+        # a windowed recache attends to the held frames only, a per-call window to its own frames, not the buffers'
+        if state.recaching or attention_window is not None or self.kv_cache_dtype is not None:
             return None
         if torch.is_grad_enabled():
             return None
@@ -364,7 +339,6 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         runs = self._slot_runs(start_frame, end_frame)
         for per_tag in self._self_kv:
             entry: StaticSelfEntry = per_tag[cache_tag]
-            entry.written = None
             for _, slot, count in runs:
                 self._keep_for_undo(entry, slot, slot + count, seqlen)
         capacity = self._self_kv[0][cache_tag].key.shape[1] if self._self_kv else 0
@@ -408,11 +382,8 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
         state = self._tags[cache_tag]
         end_frame = start_frame + key.shape[1] // state.frame_seqlen
-        already_in_slots = entry.written == (start_frame, end_frame, key.data_ptr())
-        entry.written = None
-        for frames in self._store_window(state, start_frame, end_frame):  # the bookkeeping runs either way
-            if not already_in_slots:
-                self._write(entry, state, key.detach(), value.detach(), start_frame, frames)
+        for frames in self._store_window(state, start_frame, end_frame):
+            self._write(entry, state, key.detach(), value.detach(), start_frame, frames)
 
     def _truncate_self_entry(self, entry: StaticSelfEntry, state: TagState, end_frame: int) -> None:
         """Nothing to free: slots are fixed, and the tag state says which frames are held."""

@@ -179,3 +179,35 @@ class AttentionWindow:
                 f"(attention_window={self.frames}, sink_frames={self.sink}) no longer holds the frames before "
                 f"{evicted_before}. Re-run the rollout from an earlier stored frame."
             )
+
+    def check_call_window(
+        self,
+        call_window: AttentionWindow,
+        start_frame: int,
+        first_chunk_frames: int,
+        evicted_before: int,
+        what: str = "the cache",
+    ) -> None:
+        """Raise ``ValueError`` unless the first chunk of a call at ``start_frame`` attending under its own
+        ``call_window`` sees only frames that ``what``, holding under this window (the *holding* window), still holds
+        (the sink, and the non-sink frames from ``evicted_before`` on). Without a holding window every frame is
+        held."""
+        if self.frames is None:
+            return
+        if not call_window.bounded:
+            raise ValueError(
+                "An unbounded `attention_window` attends to every earlier frame, but the engine holds only its "
+                f"window (window_frames={self.frames}, sink_frames={self.sink}); give the call a bounded window "
+                "within it."
+            )
+        held_from = max(self.sink, evicted_before)  # non-sink frames before it are gone
+        sink_end, recent_start = call_window.visible(start_frame, first_chunk_frames)
+        for first, last in ((0, sink_end), (recent_start, start_frame)):
+            gone_first, gone_last = max(first, self.sink), min(last, held_from)
+            if gone_first < gone_last:
+                raise ValueError(
+                    f"A call at start_frame={start_frame} under attention_window={call_window.frames} "
+                    f"(sink {call_window.sink}) attends to frames [{gone_first}, {gone_last}) that {what} no longer "
+                    f"holds (the engine's window_frames={self.frames}, sink_frames={self.sink} keeps the sink and the "
+                    f"frames from {held_from} on). Give the engine a window holding every frame its calls attend to."
+                )

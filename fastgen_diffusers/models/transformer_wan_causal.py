@@ -19,7 +19,6 @@ from torch import nn
 from ..chunking import chunk_layout
 from ..context import CausalContext
 from ..kv_cache import AttentionWindow, BaseKVCacheEngine, CrossKVMode, KVCacheEngine
-from ..kv_cache.cross import ConditioningKey
 from ..kv_cache.masks import BlockMaskMemo
 from ..parallel import (
     check_context_parallel_config,
@@ -29,7 +28,8 @@ from ..parallel import (
     shard_frames,
 )
 from ..processors import WanCausalAttnProcessor, WanCausalCrossAttnProcessor, apply_rotary_emb
-from ..processors.attention import BlockAttentionInputs, CrossAttentionInputs, SelfAttentionInputs
+from ..processors.attention import BlockAttentionInputs
+from .attention_inputs import build_attention_inputs, query_rotations, store_attention_outputs
 from .blocks import WanCausalTransformerBlock
 from .call_checks import check_transformer_inputs, same_timestep_values
 from .rope import CausalRotaryTables
@@ -492,7 +492,8 @@ class CausalWanMixin:
             )
         if not self._keys_before_rope():
             self._rope_offset_for(cache_tag, start_frame, num_frames // p_t, post_h, post_w)
-        for engine in self.kv_cache_engines.values():
+        query_positions = {}
+        for name, engine in self.kv_cache_engines.items():
             engine.check_call(
                 cache_tag,
                 start_frame=start_frame,
@@ -510,98 +511,25 @@ class CausalWanMixin:
                 positions = engine.key_positions(
                     cache_tag, start_frame, num_frames // p_t, layout[0], attention_window=attention_window
                 )
-                self.rotary_tables.check_positions(positions.keys, post_h, post_w)
+                try:
+                    self.rotary_tables.check_positions(positions.keys, post_h, post_w)
+                except ValueError as error:  # re-basing shifts keys stored after RoPE only
+                    raise ValueError(
+                        f"{error} Engines with rope_positions={engine.rope_positions!r} store keys before RoPE and "
+                        "rotate them at these positions when read: `enable_rope_rebasing()` (absolute positions "
+                        "only) does not shift them. Keep the video within the table, or use rope_positions='window' "
+                        "(positions stay below the window)."
+                    ) from None
+                query_positions[name] = positions.queries
+        if len(set(query_positions.values())) > 1:  # one rotation of the queries serves every branch's blocks
+            raise ValueError(
+                "The engines of this model give this call's queries different RoPE positions "
+                f"(first frame at {dict((name, positions[0]) for name, positions in query_positions.items())}): "
+                "with rope_positions='window' every engine needs the same `window_frames` and `sink_frames`."
+            )
         return num_frames // p_t, post_h, post_w, timestep_values
 
-    # ------------------------------------------------------------------ per-block attention inputs
-    def _attention_inputs(
-        self, ctx: CausalContext, device: torch.device, grid: tuple[int, int] | None = None
-    ) -> dict[str, list[BlockAttentionInputs]]:
-        """Per branch, one :class:`BlockAttentionInputs` per block: what each block's attention reads and writes.
-
-        Decided here, once per forward and outside any compiled region: the cross K/V mode and cached entries, and for
-        self-attention either the static engine's fixed buffers with this call's slots (a call at the end of the cache)
-        or the visible prefix and the block-causal mask, and the attention bias over the keys in the order the
-        attention reads them (:meth:`CausalContext.self_attention_masks`). The blocks then run pure tensor code.
-
-        Engines that store keys before RoPE also give every key attended its temporal position
-        (:meth:`~fastgen_diffusers.kv_cache.BaseKVCacheEngine.key_positions`, in the order they return the keys):
-        their rotations go on ``SelfAttentionInputs.key_rotary`` (for the static buffers one per slot, the slots
-        past the valid ones unrotated) and the call's query positions on ``ctx.query_positions``. ``grid``: the
-        post-patch ``(H', W')``.
-        """
-        first_chunk = ctx.chunk_layout[0]
-        inputs = {}
-        for name, engine in self.kv_cache_engines.items():
-            mode = ctx.cross_mode(engine)
-            static_call = getattr(engine, "static_call", None)
-            # a call under its own window gathers what it sees: the engine's fixed buffers hold its holding window
-            static = (
-                None
-                if static_call is None or ctx.attention_window is not None
-                else static_call(ctx.cache_tag, ctx.start_frame, ctx.num_frames, first_chunk)
-            )
-            slot_frames = None if static is None else static.slot_frames
-            mask, bias = ctx.self_attention_masks(engine, device, slot_frames)
-            key_rotary = None
-            if engine.keys_before_rope:
-                key_rotary = self._key_rotations(engine, ctx, static, grid, device)
-            store = ctx.store_kv and not ctx.committed
-            per_block = []
-            for block_idx in range(engine.num_blocks):
-                if static is not None:
-                    key_cache, value_cache = engine.static_buffers(block_idx, ctx.cache_tag)
-                    self_attn = SelfAttentionInputs(
-                        key_cache,
-                        value_cache,
-                        static=True,
-                        write_index=static.write_index,
-                        valid_length=static.valid_length,
-                        mask=mask,
-                        bias=bias,
-                        key_rotary=key_rotary,
-                    )
-                else:
-                    load_prefix = functools.partial(
-                        engine.get_self_prefix,
-                        block_idx,
-                        ctx.cache_tag,
-                        ctx.start_frame,
-                        first_chunk,
-                        ctx.attention_window,
-                    )
-                    self_attn = SelfAttentionInputs(
-                        mask=mask, store=store, load_prefix=load_prefix, bias=bias, key_rotary=key_rotary
-                    )
-                cross_attn = CrossAttentionInputs(mode, ctx.image_context_length)
-                if mode is CrossKVMode.READ:
-                    entry = engine.get_cross_kv(block_idx, ctx.cache_tag)
-                    cross_attn.key, cross_attn.value = entry.key, entry.value
-                    cross_attn.key_img, cross_attn.value_img = entry.key_img, entry.value_img
-                per_block.append(BlockAttentionInputs(self_attn, cross_attn, ctx.num_frames))
-            inputs[name] = per_block
-        return inputs
-
-    def _key_rotations(self, engine, ctx: CausalContext, static, grid, device) -> torch.Tensor:
-        """``(1, Lk, 1, D/2, 2)`` rotations of the keys ``engine`` returns for this call (static: one per buffer slot);
-        records the call's query positions on ``ctx`` (every engine must agree on them)."""
-        positions = engine.key_positions(
-            ctx.cache_tag,
-            ctx.start_frame,
-            ctx.num_frames,
-            ctx.chunk_layout[0],
-            in_place=static is not None,
-            attention_window=ctx.attention_window,
-        )
-        if ctx.query_positions is not None and ctx.query_positions != positions.queries:
-            raise ValueError("The engines of this model give the call's queries different RoPE positions.")
-        ctx.query_positions = positions.queries
-        keys = positions.keys
-        if static is not None:  # one rotation per slot of the buffers (fixed shape), identity past the valid slots
-            slots = engine.static_buffers(0, ctx.cache_tag)[0].shape[1] // ctx.frame_seqlen
-            keys = keys + (0,) * (slots - len(keys))
-        return torch.view_as_real(self.rotary_tables.at_positions(keys, *grid, device))
-
+    # ------------------------------------------------------------------ blocks
     def _run_blocks(self, blocks, hidden_states, context, timestep_proj, rotary_emb, block_inputs):
         """Run ``blocks`` in order, ``blocks[i]`` with ``block_inputs[i]`` (its :class:`BlockAttentionInputs`)."""
         for block, attention_inputs in zip(blocks, block_inputs):
@@ -614,37 +542,6 @@ class CausalWanMixin:
                 hidden_states = block(hidden_states, context, timestep_proj, rotary_emb, attention_inputs)
             attention_inputs.self_attn.release()
         return hidden_states
-
-    def _finish_call(self, ctx: CausalContext, conditioning, attention_inputs) -> None:
-        """Store what the blocks handed back and commit the call (a forward that fails is rolled back instead).
-
-        Self K/V of a static call are already in their slots (only the bookkeeping is left); other stores append the
-        K/V each block handed back. Once committed, the context is marked so that a gradient-checkpointing recompute
-        of its blocks (in backward) stores nothing again.
-        """
-        fills = any(ctx.cross_mode(engine) is CrossKVMode.FILL for engine in self.kv_cache_engines.values())
-        source = ConditioningKey(*conditioning) if fills else None  # built before any commit
-        for name, engine in self.kv_cache_engines.items():
-            per_block = attention_inputs[name]
-            if ctx.store_kv:
-                if per_block and per_block[0].self_attn.static:
-                    engine.commit_static_store(ctx.cache_tag, ctx.start_frame, ctx.num_frames)
-                else:
-                    for block_idx, inputs in enumerate(per_block):
-                        self_attn = inputs.self_attn
-                        engine.append_self_kv(
-                            block_idx, ctx.cache_tag, self_attn.new_key, self_attn.new_value, ctx.start_frame
-                        )
-                        self_attn.new_key = self_attn.new_value = None
-                engine.commit_store(ctx.cache_tag, ctx.start_frame, ctx.num_frames, ctx.chunk_layout)
-            if ctx.cross_mode(engine) is CrossKVMode.FILL:
-                for block_idx, inputs in enumerate(per_block):
-                    # a copy: under CUDA graphs the filled K/V are graph outputs that a later replay may overwrite
-                    kept = [None if t is None else t.clone() for t in inputs.cross_attn.filled]
-                    engine.set_cross_kv(block_idx, ctx.cache_tag, *kept)
-                    inputs.cross_attn.filled = None
-                engine.mark_cross_filled(ctx.cache_tag, source)
-        ctx.committed = True
 
     def _output_head(self, hidden_states, temb, batch_size, post_f, post_h, post_w) -> torch.Tensor:
         """Per-frame modulated output norm, projection and unpatchify to ``(B, C_out, F, H, W)``.
@@ -774,11 +671,10 @@ class CausalWanMixin:
                 attention_window=attention_window,
                 chunk_layout=chunk_layout,
             )
-            attention_inputs = self._attention_inputs(ctx, device, (post_h, post_w))
+            grid = (post_h, post_w)
+            attention_inputs = build_attention_inputs(self.kv_cache_engines, ctx, self.rotary_tables, grid, device)
             if keys_before_rope:  # the queries at the positions the engines gave the call's frames
-                rotary_emb = torch.view_as_real(
-                    self.rotary_tables.at_positions(ctx.query_positions, post_h, post_w, device)
-                )
+                rotary_emb = query_rotations(ctx, self.rotary_tables, grid, device)
         except BaseException:
             for engine in engines:
                 engine.rollback()
@@ -825,7 +721,7 @@ class CausalWanMixin:
         """Store what the blocks handed back, commit, and close the engines' transaction."""
         engines = list(self.kv_cache_engines.values())
         try:
-            self._finish_call(call.ctx, call.conditioning, call.attention_inputs)
+            store_attention_outputs(self.kv_cache_engines, call.ctx, call.conditioning, call.attention_inputs)
         except BaseException:
             for engine in engines:
                 engine.rollback()

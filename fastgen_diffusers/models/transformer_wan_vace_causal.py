@@ -21,6 +21,7 @@ from diffusers.utils import apply_lora_scale
 from torch import nn
 
 from ..context import CausalContext
+from ..kv_cache import AttentionWindow
 from .blocks import WanCausalVACETransformerBlock
 from .transformer_wan_causal import CausalWanMixin
 
@@ -252,6 +253,10 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
         vace_hint_cache: VACEHintCache | None = None,
         return_dict: bool = True,
         attention_kwargs: dict[str, Any] | None = None,
+        # the causal model's per-call attention options (KV-cache attention bias, per-call window and chunk layout)
+        kv_cache_attention_bias: float = 1.0,
+        attention_window: AttentionWindow | None = None,
+        chunk_layout: Sequence[int] | None = None,
     ) -> torch.Tensor | Transformer2DModelOutput:
         """Flow prediction for the latent frames ``[start_frame, start_frame + F)`` given the cached prefix.
 
@@ -269,6 +274,8 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
                 ``None`` (default) recomputes the hints in every call (exact).
             return_dict: return a ``Transformer2DModelOutput`` instead of a tuple.
             attention_kwargs: only ``scale`` (LoRA scale) is read.
+            kv_cache_attention_bias, attention_window, chunk_layout: as [`WanCausalTransformer3DModel.forward`], for
+                the self-attention of both branches.
 
         Returns:
             ``(B, C_out, F, H, W)`` flow prediction, like ``WanVACETransformer3DModel``.
@@ -284,6 +291,9 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
             cache_tag=cache_tag,
             store_kv=store_kv,
             return_dict=return_dict,
+            kv_cache_attention_bias=kv_cache_attention_bias,
+            attention_window=attention_window,
+            chunk_layout=chunk_layout,
             control_hidden_states=control_hidden_states,
             control_scales=control_scales,
             vace_hint_cache=vace_hint_cache,
