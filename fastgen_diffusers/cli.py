@@ -35,8 +35,8 @@ KV_CACHE_DTYPES = (
 )  # fastgen_diffusers.kv_cache.KV_CACHE_DTYPE_NAMES (a test keeps them equal)
 
 
-# Flags passed to the pipeline call under their own name when given (`--keep-first-frame` when set); the pipelines
-# that do not take some of them are refused with them first (cli_checks.SEQUENTIAL_ONLY_OPTIONS, tested).
+# Flags passed to the pipeline call under their own name when given (`--keep-first-frame` when set); every pipeline
+# takes them, and the combinations a pipeline cannot run are refused before loading (cli_checks, tested).
 FORWARDED_OPTIONS = (
     "kv_cache_policy", "context_frames", "kv_cache_attention_bias", "keep_first_frame", "prompt_transition_chunks",
     *POSITION_FLAGS, "kv_cache_dtype",

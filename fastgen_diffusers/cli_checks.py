@@ -209,23 +209,21 @@ def check_kv_cache_dtype(args: argparse.Namespace) -> None:
         raise UsageError(f"--kv-cache-dtype {name} needs a torch with {name} (torch {torch.__version__}); use int8.")
 
 
-# Options of the text-to-video and video-to-video pipelines that the image-to-video and VACE pipelines do not take
-# (they sample chunk by chunk under the sequential policy); tests/test_cli.py checks this against their signatures.
-SEQUENTIAL_ONLY_INPUTS = {"image": "--image", "video": "--video", **{n: flag(n) for n in ("control_video", "mask")}}
-SEQUENTIAL_ONLY_OPTIONS = (
-    "kv_cache_policy", "context_frames", "kv_cache_attention_bias", "keep_first_frame", "prompt_transition_chunks",
-)  # fmt: skip
+# Inputs of the image-to-video and VACE pipelines: their conditioning is read per chunk at the chunk's own frames, so
+# they sample chunk by chunk (the attention bias and prompt transitions apply; Krea's recompute, which moves a chunk's
+# forwards to the positions after its context, does not). tests/test_cli.py checks this against their signatures.
+CONDITIONED_INPUTS = ("image", "video", "control_video", "mask", "reference_image")
 
 
 def check_conditioned_options(args: argparse.Namespace) -> None:
-    """No ``--kv-cache-policy`` (nor its recompute settings, the attention bias or prompt transitions) with
-    ``--image``/``--video`` or a VACE flag: those pipelines do not take them."""
-    inputs = [name for name in (*SEQUENTIAL_ONLY_INPUTS, "reference_image") if getattr(args, name, None)]
-    options = [name for name in SEQUENTIAL_ONLY_OPTIONS if getattr(args, name, None) not in (None, False)]
-    if inputs and options:
+    """No ``--kv-cache-policy recompute`` with ``--image``/``--video`` or a VACE flag (those pipelines refuse it once
+    loaded; ``rolling`` is refused by :func:`check_kv_cache_policy`)."""
+    inputs = [name for name in CONDITIONED_INPUTS if getattr(args, name, None)]
+    if inputs and getattr(args, "kv_cache_policy", None) == "recompute":
         raise UsageError(
-            f"{flag(options[0])} cannot be combined with {flag(inputs[0])}: the image-to-video and VACE pipelines "
-            "sample chunk by chunk (sequential policy, no attention bias or prompt transitions)."
+            f"--kv-cache-policy recompute cannot be combined with {flag(inputs[0])}: the image-to-video and VACE "
+            "pipelines read their conditioning at each chunk's own frames and sample chunk by chunk (the attention "
+            "bias and --prompt-transition-chunks still apply)."
         )
 
 

@@ -256,21 +256,16 @@ CASES = {
         2,
         "--rope-positions cannot be combined with --kv-cache-policy rolling (the model stores",
     ),
-    # Options the image-to-video and VACE pipelines do not take
-    "policy with image": (
+    # Krea's recompute does not drive the image-to-video and VACE pipelines
+    "recompute with image": (
         ["--kv-cache-policy", "recompute", "--context-frames", "3", "--image", "{frame.png}"],
         2,
-        "--kv-cache-policy cannot be combined with --image: the image-to-video and VACE pipelines",
+        "--kv-cache-policy recompute cannot be combined with --image: the image-to-video and VACE pipelines",
     ),
-    "bias with control video": (
-        ["--kv-cache-attention-bias", "0.5", "--control-video", "{control5.gif}"],
+    "recompute with control video": (
+        ["--kv-cache-policy", "recompute", "--context-frames", "3", "--control-video", "{control5.gif}"],
         2,
-        "--kv-cache-attention-bias cannot be combined with --control-video",
-    ),
-    "transition with clip": (
-        ["--prompt-switch", "13:a dog", "--prompt-transition-chunks", "2", "--video", "{clip9.gif}"],
-        2,
-        "--prompt-transition-chunks cannot be combined with --video",
+        "--kv-cache-policy recompute cannot be combined with --control-video",
     ),
     "switch past the input video": (
         ["--input-video", "{clip9.gif}", "--prompt-switch", "15:a dog"],

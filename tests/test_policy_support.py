@@ -92,16 +92,15 @@ def test_conditioned_pipelines_leave_a_stored_recompute_out_with_its_settings(ma
 
 @pytest.mark.parametrize("make", [i2v_pipeline, vace_pipeline], ids=["i2v", "vace"])
 def test_conditioned_pipelines_take_prompt_transitions_and_the_bias_where_the_model_does(make):
-    """Image-to-video takes the attention bias; the causal VACE transformer has none, so VACE refuses it before any
-    work and leaves a stored one out (before: a stored bias failed inside the first forward)."""
+    """Image-to-video and VACE take the attention bias (both VACE branches are biased) and a stored one applies
+    (before: a stored bias failed inside VACE's first forward)."""
     pipe = make()
     base = run(pipe)
+    biased = run(pipe, kv_cache_attention_bias=0.3)
+    assert not torch.equal(biased, base)
+    assert torch.equal(run(pipe, kv_cache_attention_bias=1.0), base)
     if isinstance(pipe, WanCausalVACEPipeline):
-        with NoForward(pipe), pytest.raises(ValueError, match="kv_cache_attention_bias=0.3` is not supported by"):
-            run(pipe, kv_cache_attention_bias=0.3)
-        assert torch.equal(run(vace_pipeline(kv_cache_attention_bias=0.3)), base)
-    else:
-        assert not torch.equal(run(pipe, kv_cache_attention_bias=0.3), base)
+        assert torch.equal(run(vace_pipeline(kv_cache_attention_bias=0.3)), biased)
     schedule = {0: "a cat", 5: "a dog"}
     hard, blended = run(pipe, prompt=schedule), run(pipe, prompt=schedule, prompt_transition_chunks=2)
     assert not torch.equal(hard, blended)

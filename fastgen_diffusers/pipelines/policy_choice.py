@@ -62,7 +62,8 @@ class PolicyChoiceMixin:
         return True
 
     def supports_attention_bias(self) -> bool:
-        """Whether the transformer takes ``kv_cache_attention_bias`` (the causal VACE transformer does not)."""
+        """Whether the transformer takes ``kv_cache_attention_bias`` (every causal Wan transformer here does; a custom
+        one may not)."""
         transformer = getattr(self, "transformer", None)
         if transformer is None:
             return False
