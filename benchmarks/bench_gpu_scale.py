@@ -8,24 +8,59 @@ Prepared for a session that is lent a GPU: one script, one run, the figures for 
 * static vs vanilla engine;
 * the CUDA-only path checked against the one the CPU tests cover: a multi-chunk call with the FlexAttention block
   mask vs the SDPA boolean mask;
-* ``--compile``: the static-engine rollout with ``compile_repeated_blocks(fullgraph=True)`` against eager (frames/s,
-  max abs diff, first-call time, graph count); ``--cuda-graphs``: the same with ``mode="reduce-overhead"``.
+* ``--policies`` (eager, before the compiled rows; the cache policies' costs at this scale, one line each, driven at
+  the transformer level):
 
-Every section runs in its own ``try``: a failure prints one line and the script goes on. Prints are flushed.
+  - ``[window rope]`` a windowed rollout (window 9, sink 3, 12 chunks of 3, 4 steps + cache pass) with absolute
+    positions vs Reward Forcing's window RoPE + EMA sink (keys stored before RoPE, rotated at every read), static and
+    vanilla engines: median time per chunk once the window slides, frames/s and its ratio, self cache bytes vs the
+    formula;
+  - ``[kv8]`` int8 and float8_e4m3fn self K/V vs the compute-dtype cache on the 81-frame rollout of the first
+    bullet (no window), both engines (an 8-bit static engine gathers and dequantizes instead of its in-place path):
+    bytes held and allocated vs the formula (1 byte per element + float32 scales per frame and head), frames/s ratio,
+    max and mean abs output diff;
+  - ``[bias]`` Krea's ``kv_cache_attention_bias=0.3`` on a windowed denoising forward (static engine, window 9 sink 3,
+    slid): SDPA additive float mask vs FlexAttention ``score_mod`` max abs diff, time per forward of each and of bias
+    1 (no mask; the first forward, which compiles flex on CUDA, apart);
+  - ``[recompute]`` Krea's recompute (``RecomputePolicy``, context 3, ``keep_first_frame``; unbiased and bias 0.3)
+    vs the sequential rollout at the same context (window 6), 8 chunks: median time per chunk, frames/s ratio,
+    forwards;
+  - ``[rolling]`` Rolling Forcing's rolling window (``RollingPolicy``, engines window 24 with the anchor) vs chunk by
+    chunk (``SequentialPolicy``), 7 chunks x 5 warped steps: forwards per chunk, latent frames the forwards carry,
+    frames/s and their ratios.
 
-Usage: ``python benchmarks/bench_gpu_scale.py --compile --cuda-graphs`` on a GPU (a few minutes on an H200, most of
-it compiling); ``python benchmarks/bench_gpu_scale.py --tiny --device cpu`` is a seconds-long smoke test of the
-script itself.
+  The policies run through their own ``run`` with a stand-in for the pipeline (scheduler and progress bar only: no
+  text encoder, no VAE), as ``tests/test_rolling_forcing.py`` drives them.
+
+Every section (and every part of ``--policies``) runs in its own ``try``: a failure prints one line and the script
+goes on. Prints are flushed.
+
+Usage: ``python benchmarks/bench_gpu_scale.py --compile --cuda-graphs --policies`` on a GPU (a few minutes on an
+H200: about 70 s without ``--policies``, most of it compiling; ``--policies`` adds an estimated 1.5-2 min);
+``python benchmarks/bench_gpu_scale.py --tiny --device cpu [--policies]`` is a seconds-long smoke test of the script
+itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
 
 from fastgen_diffusers import WanCausalTransformer3DModel, expected_self_cache_bytes, make_engines
+from fastgen_diffusers.chunking import ChunkPlan
+from fastgen_diffusers.convert.formats import warp_timesteps
+from fastgen_diffusers.kv_cache import expected_scale_bytes
+from fastgen_diffusers.pipelines.conditioning import Conditioner
+from fastgen_diffusers.pipelines.policy import SequentialPolicy
+from fastgen_diffusers.pipelines.policy_recompute import RecomputePolicy
+from fastgen_diffusers.pipelines.policy_rolling import ANCHOR_POSITIONS, RollingPolicy
+from fastgen_diffusers.pipelines.rollout import CausalRolloutMixin
+from fastgen_diffusers.pipelines.session import RolloutSession
+from fastgen_diffusers.pipelines.sources import NoiseSource
+from fastgen_diffusers.testing import tiny_scheduler
 
 WAN_1_3B = {
     "patch_size": (1, 2, 2),
@@ -40,6 +75,7 @@ WAN_1_3B = {
 }
 TINY = {**WAN_1_3B, "num_attention_heads": 2, "attention_head_dim": 32, "ffn_dim": 64, "num_layers": 2}
 STEPS = (1000.0, 937.5, 833.3, 625.0)
+CHUNK = 3  # latent frames per chunk
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -88,6 +124,301 @@ def graph_count() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+# ---------------------------------------------------------------------------------------------- cache policies
+WINDOW, SINK = 9, 3  # Reward Forcing's cache (latent frames)
+WINDOW_MODES = {
+    "absolute": {},
+    "window+ema": {"rope_positions": "window", "sink_update": "ema", "sink_decay": 0.999},
+}
+CONTEXT = 3  # Krea's context_frames
+ROLLING_FORCING_STEPS = warp_timesteps([1000, 800, 600, 400, 200], 5.0)
+
+
+class Scale:
+    """What the policy parts share: the model, the text ``(1, 512, text_dim)``, the latent size ``(H / 8, W / 8)`` and
+    tokens per frame of the run (a plain class: the smoke tests load this script without registering it, which a
+    dataclass needs)."""
+
+    def __init__(self, model, prompt, device, dtype, latent_size, tokens_per_frame, tiny) -> None:
+        self.model, self.prompt, self.device, self.dtype = model, prompt, device, dtype
+        self.latent_size, self.tokens_per_frame, self.tiny = latent_size, tokens_per_frame, tiny
+
+    def noise(self, frames: int, seed: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``(1, 16, frames, H / 8, W / 8)`` Gaussian latents (the compute dtype unless ``dtype``)."""
+        gen = torch.Generator().manual_seed(seed)
+        latents = torch.randn(1, 16, frames, *self.latent_size, generator=gen)
+        return latents.to(self.device, dtype or self.dtype)
+
+    def self_formula(self, frames: int, dtype: torch.dtype) -> int:
+        config = self.model.config
+        heads, head_dim = config.num_attention_heads, config.attention_head_dim
+        return expected_self_cache_bytes(config.num_layers, 1, heads, frames * self.tokens_per_frame, head_dim, dtype)
+
+    def engines(self, kind: str, max_frames: int, **options) -> None:
+        self.model.set_kv_cache_engines(make_engines(self.model, kind, max_frames=max_frames, **options))
+
+    def held(self) -> tuple[int, int, int]:
+        """Self-attention bytes held, allocated, and frames held (tag ``"pos"``) over the model's engines."""
+        engines = self.model.kv_cache_engines.values()
+        return (
+            sum(e.self_cache_bytes() for e in engines),
+            sum(e.allocated_self_cache_bytes() for e in engines),
+            max(e.held_frames("pos") for e in engines),
+        )
+
+
+def video_frames(latent_frames: int) -> int:
+    """Pixel frames of ``latent_frames`` latent frames (Wan's 4x temporal VAE: 4k + 1)."""
+    return 4 * (latent_frames - 1) + 1
+
+
+def report(label: str, text: str) -> None:
+    print(f"[{label}] {text}", flush=True)
+
+
+def window_rope_part(scale: Scale) -> None:
+    """(1) Windowed rollout (window 9, sink 3) with absolute positions vs window RoPE + EMA sink, per engine: the
+    median chunk time once the window slides, frames/s, self cache bytes."""
+    chunks = 5 if scale.tiny else 12
+    latents = scale.noise(CHUNK * chunks, seed=1)
+    slid = WINDOW // CHUNK  # chunks from this index on evict (the window is full)
+    for kind in ("static", "vanilla"):
+        medians = {}
+        for mode, options in WINDOW_MODES.items():
+            scale.engines(kind, CHUNK * chunks, window_frames=WINDOW, sink_frames=SINK, **options)
+            rollout(scale.model, latents[:, :, : 2 * CHUNK], scale.prompt, CHUNK, scale.device)  # warm-up
+            times, _ = rollout(scale.model, latents, scale.prompt, CHUNK, scale.device)
+            medians[mode] = statistics.median(times[slid:])
+            held, allocated, frames = scale.held()
+            formula = scale.self_formula(frames, scale.dtype)
+            median, speed = medians[mode], medians["absolute"] / medians[mode]
+            report(
+                "window rope",
+                f"{kind} {mode}: {median * 1e3:.1f} ms per chunk once the window slides (median of {chunks - slid} "
+                f"chunks) = {4 * CHUNK / median:.1f} frames/s, x{speed:.3f} of absolute's; self cache held "
+                f"{held / 2**20:.1f} MiB ({frames} frames) vs formula {formula / 2**20:.1f} MiB (ratio "
+                f"{held / formula:.3f}), allocated {allocated / 2**20:.1f} MiB",
+            )
+
+
+def kv8_part(scale: Scale, latents: torch.Tensor, eager: dict) -> None:
+    """(2) int8 / float8_e4m3fn self K/V against the compute-dtype cache on the full rollout (no window), per
+    engine: bytes held and allocated vs the formula (1 byte + float32 scales), frames/s ratio, output diff."""
+    frames = latents.shape[2]
+    data_formula = scale.self_formula(frames, torch.int8)
+    config = scale.model.config
+    formula = data_formula + expected_scale_bytes(config.num_layers, 1, config.num_attention_heads, frames)
+    for kind in ("static", "vanilla"):
+        if kind not in eager:  # its eager row failed or did not run: measure the compute-dtype cache here
+            scale.engines(kind, frames)
+            rollout(scale.model, latents[:, :, : 2 * CHUNK], scale.prompt, CHUNK, scale.device)
+            times, outputs = rollout(scale.model, latents, scale.prompt, CHUNK, scale.device)
+            eager[kind] = (sum(times), outputs)
+        base_total, base_outputs = eager[kind]
+        for storage in (torch.int8, torch.float8_e4m3fn):
+            scale.engines(kind, frames, kv_cache_dtype=storage)
+            rollout(scale.model, latents[:, :, : 2 * CHUNK], scale.prompt, CHUNK, scale.device)  # warm-up
+            times, outputs = rollout(scale.model, latents, scale.prompt, CHUNK, scale.device)
+            total = sum(times)
+            held, allocated, _ = scale.held()
+            scales = sum(e.self_cache_scale_bytes() for e in scale.model.kv_cache_engines.values())
+            error = (outputs.float() - base_outputs.float()).abs()
+            name, compute = str(storage).removeprefix("torch."), str(scale.dtype).removeprefix("torch.")
+            report(
+                "kv8",
+                f"{kind} {name}: cache held {held / 2**20:.1f} MiB (scales {scales / 2**10:.1f} KiB), allocated "
+                f"{allocated / 2**20:.1f} MiB vs formula {formula / 2**20:.1f} MiB = 1 byte per element "
+                f"{data_formula / 2**20:.1f} MiB + scales {(formula - data_formula) / 2**10:.1f} KiB (ratio held "
+                f"{held / formula:.4f}, allocated {allocated / formula:.4f}; vs the {compute} cache "
+                f"{held / scale.self_formula(frames, scale.dtype):.4f}); rollout {total:.2f} s = "
+                f"{video_frames(frames) / total:.1f} frames/s, x{base_total / total:.3f} of the {kind} {compute} "
+                f"cache's; output vs that cache: max abs diff {error.max().item():.3e}, mean "
+                f"{error.mean().item():.3e} (|out| max {base_outputs.abs().max().item():.2f})",
+            )
+
+
+def bias_part(scale: Scale, repeats: int) -> None:
+    """(3) Krea's attention bias 0.3 on a windowed denoising forward (static engine, window 9 with sink 3, slid):
+    SDPA additive float mask vs FlexAttention score_mod (max abs diff, time per forward), and bias 1 (no mask)."""
+    model, device = scale.model, scale.device
+    filled = WINDOW // CHUNK + 1  # chunks stored: the window has slid
+    latents = scale.noise(CHUNK * (filled + 1), seed=2)
+    scale.engines("static", CHUNK * (filled + 1), window_frames=WINDOW, sink_frames=SINK)
+    model.clear_caches()
+    for index in range(filled):
+        x = latents[:, :, CHUNK * index : CHUNK * (index + 1)]
+        model(x, torch.zeros(1, device=device), scale.prompt, start_frame=CHUNK * index, store_kv=True)
+    x, start = latents[:, :, CHUNK * filled :], CHUNK * filled
+    timestep = torch.full((1,), STEPS[1], device=device)
+    outputs, seconds = {}, {}
+    rows = (("sdpa float mask", "sdpa", 0.3), ("flex score_mod", "flex", 0.3), ("no mask (bias 1)", "auto", 1.0))
+    try:
+        for label, backend, bias in rows:
+            model.set_block_mask_backend(backend)
+            times = []
+            for _ in range(1 + repeats):  # the first forward builds the masks (and compiles flex on CUDA)
+                synchronize(device)
+                begin = time.perf_counter()
+                out = model(x, timestep, scale.prompt, start_frame=start, kv_cache_attention_bias=bias)
+                synchronize(device)
+                times.append(time.perf_counter() - begin)
+            outputs[label], seconds[label] = out.sample.float(), (times[0], statistics.median(times[1:]))
+    finally:
+        model.set_block_mask_backend("auto")
+    diff = (outputs["flex score_mod"] - outputs["sdpa float mask"]).abs().max().item()
+    moved = (outputs["sdpa float mask"] - outputs["no mask (bias 1)"]).abs().max().item()
+    none = seconds["no mask (bias 1)"][1]
+    report(
+        "bias",
+        f"0.3 on a windowed denoising forward (chunk at frame {start}, window {WINDOW} sink {SINK}): flex "
+        f"score_mod vs sdpa float mask max abs diff {diff:.3e} (the bias moves the output by {moved:.3e}, |out| max "
+        f"{outputs['no mask (bias 1)'].abs().max().item():.2f})",
+    )
+    for label, (first, median) in seconds.items():
+        report(
+            "bias",
+            f"{label}: {median * 1e3:.1f} ms per forward (median of {repeats}; first {first * 1e3:.1f} ms), time "
+            f"x{median / none:.3f} of no mask's",
+        )
+
+
+class _Bar:
+    total = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return None
+
+    def update(self) -> None:
+        pass
+
+
+class PolicyHost:
+    """What a rollout policy reads of a pipeline (scheduler, progress bar, callback state): the policies drive the
+    transformer alone, without text encoder or VAE (tests/test_rolling_forcing.py runs them the same way)."""
+
+    interrupt = False
+    _num_timesteps = 0
+    _current_timestep = None
+
+    def __init__(self) -> None:
+        self.scheduler = tiny_scheduler()  # FlowMatchEulerDiscreteScheduler(shift=5, stochastic_sampling=True)
+
+    def progress_bar(self, total):
+        return _Bar()
+
+    def plan(self, chunks: int, steps: int, timesteps=None) -> ChunkPlan:
+        schedule = CausalRolloutMixin.rollout_schedule(self, steps, timesteps=timesteps)
+        return ChunkPlan.from_bounds([(CHUNK * b, CHUNK * (b + 1)) for b in range(chunks)], schedule)
+
+
+def policy_rollout(scale: Scale, policy, plan: ChunkPlan, noise: torch.Tensor) -> tuple[list[float], dict[str, int]]:
+    """Seconds between the chunks a policy yields (the first from the start) and its forwards (denoising, cache,
+    latent frames carried), on a fresh cache."""
+    model, device = scale.model, scale.device
+    counts = {"denoise": 0, "store": 0, "frames": 0}
+    forward = model.forward
+
+    def counting(hidden_states, *args, **kwargs):
+        counts["store" if kwargs.get("store_kv") else "denoise"] += 1
+        counts["frames"] += hidden_states.shape[2]
+        return forward(hidden_states, *args, **kwargs)
+
+    session = RolloutSession(
+        model, Conditioner(), prompt_embeds=scale.prompt, negative_prompt_embeds=None, guidance_scale=1.0,
+        context_noise=0.0, schedule=plan.schedules[0], keep_history=False,
+    )  # fmt: skip
+    model.clear_caches()
+    model.forward = counting
+    times = []
+    try:
+        synchronize(device)
+        last = time.perf_counter()
+        for _ in policy.run(PolicyHost(), session, plan, NoiseSource(noise)):
+            synchronize(device)
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+    finally:
+        del model.forward
+    return times, counts
+
+
+def recompute_part(scale: Scale) -> None:
+    """(4) Krea's recompute (context 3: a cache pass over the context before each chunk, none after it) against the
+    sequential rollout attending to as many frames (window 6 = context + chunk), static engine, 4 steps: median time
+    per chunk from chunk 1 on."""
+    chunks = 4 if scale.tiny else 8
+    host = PolicyHost()
+    plan = host.plan(chunks, len(STEPS))
+    noise = scale.noise(CHUNK * chunks, seed=3, dtype=torch.float32)
+    rows = {
+        "windowed": (SequentialPolicy(), {"window_frames": CONTEXT + CHUNK}, CHUNK * chunks),
+        "recompute": (RecomputePolicy(CONTEXT, keep_first_frame=True, output_frames=False), {}, CONTEXT + CHUNK),
+        "recompute, bias 0.3": (
+            RecomputePolicy(CONTEXT, keep_first_frame=True, kv_cache_attention_bias=0.3, output_frames=False),
+            {},
+            CONTEXT + CHUNK,
+        ),
+    }
+    reference = None
+    for name, (policy, options, max_frames) in rows.items():
+        scale.engines("static", max_frames, **options)
+        times, counts = policy_rollout(scale, policy, plan, noise)
+        median = statistics.median(times[1:])
+        reference = reference or median
+        held, _, frames = scale.held()
+        report(
+            "recompute",
+            f"{name} (context {CONTEXT}, {chunks} chunks): {median * 1e3:.1f} ms per chunk (median from chunk 1) = "
+            f"{4 * CHUNK / median:.1f} frames/s, x{reference / median:.3f} of windowed's; forwards "
+            f"{counts['denoise']} denoising + {counts['store']} cache; cache held {held / 2**20:.1f} MiB ({frames} "
+            "frames)",
+        )
+
+
+def rolling_part(scale: Scale) -> None:
+    """(5) Rolling Forcing's rolling window (RollingPolicy: windows of up to 5 chunks at staggered levels + commits,
+    engines window 24 with the 3-frame anchor, anchor positions) against chunk by chunk (SequentialPolicy, no
+    window), both on Rolling Forcing's 5 warped steps, static engine: forwards per chunk, frames/s (second run)."""
+    chunks = 5 if scale.tiny else 7
+    host = PolicyHost()
+    plan = host.plan(chunks, len(ROLLING_FORCING_STEPS), timesteps=list(ROLLING_FORCING_STEPS))
+    noise = scale.noise(CHUNK * chunks, seed=4, dtype=torch.float32)
+    frames = video_frames(CHUNK * chunks)
+    rolling = RollingPolicy()
+    window = rolling.engine_window(CHUNK)
+    rows = {
+        "sequential": (SequentialPolicy(), {}),
+        "rolling": (
+            rolling,
+            {"window_frames": window.frames, "sink_frames": window.sink, "rope_positions": ANCHOR_POSITIONS},
+        ),
+    }
+    measured = {}
+    for name, (policy, options) in rows.items():
+        scale.engines("static", CHUNK * chunks, **options)
+        policy_rollout(scale, policy, plan, noise)  # warm-up (the rolling windows' shapes)
+        times, counts = policy_rollout(scale, policy, plan, noise)
+        forwards, total = counts["denoise"] + counts["store"], sum(times)
+        measured[name] = (forwards / chunks, total)
+        report(
+            "rolling",
+            f"{name}: {chunks} chunks x {len(ROLLING_FORCING_STEPS)} steps, forwards {forwards} ({counts['denoise']} "
+            f"denoising + {counts['store']} cache, carrying {counts['frames']} latent frames) = "
+            f"{forwards / chunks:.2f} per chunk; rollout {total:.2f} s = {frames / total:.1f} frames/s, first chunk "
+            f"out after {times[0]:.3f} s",
+        )
+    (seq_forwards, seq_total), (roll_forwards, roll_total) = measured["sequential"], measured["rolling"]
+    report(
+        "rolling",
+        f"rolling vs sequential: forwards per chunk x{roll_forwards / seq_forwards:.2f}, frames/s "
+        f"x{seq_total / roll_total:.2f}",
+    )
+
+
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -102,12 +433,17 @@ def main(argv: list[str] | None = None) -> None:
         "--cuda-graphs", action="store_true", help='row: compiled with mode="reduce-overhead" (CUDA graphs) vs eager'
     )
     parser.add_argument("--skip-compile", action="store_true", help="no compiled rows (overrides the two above)")
+    parser.add_argument(
+        "--policies",
+        action="store_true",
+        help="rows: window RoPE + EMA sink, 8-bit cache, attention bias, recompute, rolling window (eager)",
+    )
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     config = TINY if args.tiny else WAN_1_3B
     height, width = (32, 32) if args.tiny else (args.height, args.width)
     latent_frames = (args.num_frames - 1) // 4 + 1
-    chunk = 3
+    chunk = CHUNK
     script_start = time.perf_counter()
 
     torch.manual_seed(0)
@@ -172,7 +508,16 @@ def main(argv: list[str] | None = None) -> None:
 
     section("flex vs sdpa", flex_vs_sdpa)
 
-    # 3./4. Compiled rollouts (static engine): the repeated block compiled with fullgraph=True, then CUDA graphs.
+    # 3. Cache policies, eager and before the compiled rows (which compile the blocks in place).
+    if args.policies:
+        scale = Scale(model, prompt, device, dtype, (height // 8, width // 8), tokens_per_frame, args.tiny)
+        section("window rope", window_rope_part, scale)
+        section("kv8", kv8_part, scale, latents, eager)
+        section("bias", bias_part, scale, 2 if args.tiny else 5)
+        section("recompute", recompute_part, scale)
+        section("rolling", rolling_part, scale)
+
+    # 4./5. Compiled rollouts (static engine): the repeated block compiled with fullgraph=True, then CUDA graphs.
     def compiled_rollout(label: str, mode: str | None) -> None:
         import torch._dynamo
         from torch._dynamo.utils import counters

@@ -8,15 +8,47 @@ from __future__ import annotations
 import pytest
 from bench_loader import load_benchmark
 
+LABELS = ("static", "vanilla", "window rope", "kv8", "bias", "recompute", "rolling")
+
 
 def test_gpu_scale_benchmark_runs_in_its_tiny_cpu_mode(capsys):
+    """The eager rows and every part of ``--policies``, one line per measurement, with the figures that hold on any
+    device: bytes equal to the formulas, forward counts, and the bias's two mask paths agreeing in float32."""
     module = load_benchmark("bench_gpu_scale")
-    module.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--num-frames", "21", "--skip-compile"])
+    argv = ["--tiny", "--device", "cpu", "--dtype", "float32", "--num-frames", "21", "--skip-compile", "--policies"]
+    module.main(argv)
     printed = capsys.readouterr().out
+    assert "FAILED" not in printed
     assert "[static] rollout" in printed and "[vanilla] rollout" in printed
-    assert printed.count("(ratio 1.000)") == 2
+    rows = {label: [line for line in printed.splitlines() if line.startswith(f"[{label}] ")] for label in LABELS}
+    assert [row.split("(ratio")[1][:7] for row in rows["static"] + rows["vanilla"]] == [" 1.000)"] * 2
     diff = float(printed.split("flex vs sdpa block mask: max abs diff ")[1].split()[0])
     assert diff <= 1e-5
+    # window RoPE + EMA: the same bytes as absolute positions, the window's 9 frames
+    assert [" ".join(row.split()[2:4]) for row in rows["window rope"]] == [
+        f"{kind} {mode}:" for kind in ("static", "vanilla") for mode in ("absolute", "window+ema")
+    ]
+    assert all("(9 frames) vs formula" in row and "(ratio 1.000)" in row for row in rows["window rope"])
+    # 8-bit: bytes held and allocated = 1 byte per element + float32 scales
+    assert len(rows["kv8"]) == 4
+    for row in rows["kv8"]:
+        assert "(ratio held 1.0000, allocated 1.0000;" in row
+        error = float(row.split("max abs diff ")[1].split(",")[0])
+        assert 0 < error <= (1e-3 if "int8" in row else 5e-3)
+    # bias: SDPA float mask and FlexAttention score_mod agree; three timed rows
+    bias = rows["bias"]
+    assert float(bias[0].split("max abs diff ")[1].split()[0]) <= 1e-5
+    assert [row.split(":")[0] for row in bias[1:]] == [
+        "[bias] sdpa float mask", "[bias] flex score_mod", "[bias] no mask (bias 1)"
+    ]  # fmt: skip
+    # recompute: as many forwards as the windowed rollout (a rebuild instead of a cache pass), 3 frames held
+    assert len(rows["recompute"]) == 3
+    assert all("forwards 16 denoising + 3 cache; cache held" in row for row in rows["recompute"])
+    assert all(row.endswith("(3 frames)") for row in rows["recompute"])
+    # rolling: 5 chunks, 5 steps (the counts of bench_rolling's smoke test)
+    assert "[rolling] sequential: 5 chunks x 5 steps, forwards 29 (25 denoising + 4 cache, carrying 87" in printed
+    assert "[rolling] rolling: 5 chunks x 5 steps, forwards 17 (9 denoising + 8 cache, carrying 99" in printed
+    assert "[rolling] rolling vs sequential: forwards per chunk x0.59, frames/s x" in printed
 
 
 def test_gpu_scale_benchmark_compiled_rows_run_in_the_tiny_cpu_mode(capsys):
