@@ -203,3 +203,28 @@ def test_recompute_outgrows_the_rope_table():
         small(num_frames=45, output_type="latent", **CALL)
     small(num_frames=45, keep_cache=True, output_type="latent", **CALL, **RECOMPUTE)
     assert small.continue_rollout(12, output_type="latent").frames.shape[2] == 15
+
+
+def test_the_rebuild_keeps_the_cross_kv(pipe, monkeypatch):
+    """Each rebuild drops the self-attention K/V only: the text K/V are projected once per rollout (by the first
+    rebuild's cache pass), however many chunks follow, and a prompt switch projects them once more."""
+    from fastgen_diffusers.processors import WanCausalCrossAttnProcessor
+
+    projections = []
+    project = WanCausalCrossAttnProcessor._project_context
+    monkeypatch.setattr(
+        WanCausalCrossAttnProcessor,
+        "_project_context",
+        staticmethod(lambda *args: projections.append(1) or project(*args)),
+    )
+
+    def count(num_frames, prompt="a cat"):
+        projections.clear()
+        pipe(**{**CALL, "prompt": prompt}, num_frames=num_frames, output_type="latent", **RECOMPUTE)
+        return len(projections)
+
+    blocks = pipe.transformer.config.num_layers
+    steps = CALL["num_inference_steps"]
+    # chunk 0 computes its K/V in each denoising forward (nothing stored yet); the first rebuild fills them once
+    assert count(21) == count(45) == blocks * (steps + 1)
+    assert count(45, prompt={0: "a cat", 21: "a dog"}) == blocks * (steps + 2)

@@ -277,10 +277,12 @@ class RecomputePolicy(SequentialPolicy):
         return torch.cat([anchor, done.recent[:, :, done.recent.shape[2] - (c - 1) :]], dim=2)
 
     def rebuild(self, session: RolloutSession, span: ChunkSpan, context: torch.Tensor) -> None:
-        """Clear every tag of ``session`` and write ``context`` at positions ``0 .. C-1`` (one cache pass a tag)."""
+        """Drop the self-attention K/V of every tag of ``session`` and write ``context`` at positions ``0 .. C-1`` (one
+        cache pass a tag). The cross-attention K/V stay: they depend on the conditioning only, so the rebuild and the
+        chunk's denoising forwards read them (the engines recompute them when the prompt changed)."""
         for engine in session.transformer.kv_cache_engines.values():
             for tag in session.cache_tags:
-                engine.clear(tag)
+                engine.truncate(tag, 0)
         window = ChunkSpan(span.index, 0, context.shape[2])
         timestep = session.context_timestep(context.shape[0], context.device)
         for cache_tag in session.cache_tags:
