@@ -1,0 +1,98 @@
+"""Claims of issues #14 and #15 that other tests checked only indirectly, each checked against an independent number.
+
+* Recompute (#14): after every chunk but the first, the cache holds exactly ``context_frames`` frames, i.e. the
+  byte formula over ``context_frames`` frames (fewer only while fewer have been produced; not a size derived from
+  the run itself), the engine's buffers never grow once the context exists, and every forward's RoPE positions
+  stay below ``context_frames + chunk`` frames, over 20 chunks.
+* 8-bit cache (#15): never silently on: a call without ``kv_cache_dtype`` builds engines that store the compute
+  dtype, bit-equal to ``kv_cache_dtype=None``, and a converted model's config cannot carry it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgen_diffusers.kv_cache import expected_self_cache_bytes
+from fastgen_diffusers.testing import tiny_pipeline
+
+# 16x16 pixels: 2x2 latents, patch 2x2 -> 1 token per latent frame; tiny model: 2 layers, 2 heads of 32
+CALL = {"prompt": "a cat", "height": 16, "width": 16, "num_inference_steps": 1, "output_type": "latent"}
+LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 2, 32, 3
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipe = tiny_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("kind", ["static", "vanilla"])
+@pytest.mark.parametrize("context_frames", [2, 3, 5])
+def test_recompute_holds_exactly_the_context_after_any_number_of_chunks(pipe, kind, context_frames):
+    chunks = 20
+    num_frames = 4 * (CHUNK * chunks - 1) + 1
+    positions, held, frames_held, allocated = [], [], [], []
+    forward = pipe.transformer.forward
+
+    def recording(hidden_states, *args, **kwargs):
+        positions.append(kwargs["start_frame"] + hidden_states.shape[2])  # one past the last RoPE position
+        return forward(hidden_states, *args, **kwargs)
+
+    pipe.transformer.forward = recording
+    try:
+        stream = pipe.stream(
+            **CALL, num_frames=num_frames, kv_cache_engine=kind, kv_cache_policy="recompute",
+            context_frames=context_frames, generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+        ends = []
+        for record in stream:
+            engine = pipe.transformer.kv_cache_engines["main"]
+            ends.append(record.end)
+            held.append(engine.self_cache_bytes())
+            frames_held.append(engine.held_frames("pos") if record.end > CHUNK else None)
+            allocated.append(engine.allocated_self_cache_bytes())
+    finally:
+        del pipe.transformer.forward
+    assert ends == [CHUNK * (c + 1) for c in range(chunks)]
+    # the context of chunk c: the last min(context_frames, 3c) frames produced (fewer only while fewer exist)
+    context = [min(context_frames, CHUNK * c) for c in range(1, chunks)]
+    assert held[0] == 0  # the first chunk stores nothing (no clean cache pass after a chunk)
+    assert held[1:] == [expected_self_cache_bytes(LAYERS, 1, HEADS, n, HEAD_DIM, torch.float32) for n in context]
+    assert frames_held[1:] == context and context[-1] == context_frames  # exactly context_frames once they exist
+    assert len(set(held[2:])) == 1  # constant bytes from the second rebuild on, however many chunks
+    assert len(set(allocated[2:])) == 1  # buffers never grow once the context exists, however many chunks
+    assert max(positions) <= context_frames + CHUNK  # positions 0 .. context_frames + chunk - 1
+    assert len(positions) == 1 + (chunks - 1) * 2  # per later chunk: one rebuild pass + one denoising step
+
+
+def _stream(pipe, **kwargs):
+    """33 frames: 9 latent frames, 3 chunks under window 6; the latents and, after the second chunk (6 frames held),
+    the main engine's storage dtype, scale bytes and cache bytes."""
+    chunks, seen = [], None
+    call = {**CALL, "num_frames": 33, "attention_window": 6, "generator": torch.Generator().manual_seed(0)}
+    for record in pipe.stream(**call, **kwargs):
+        chunks.append(record.latents)
+        if len(chunks) == 2:
+            engine = pipe.transformer.kv_cache_engines["main"]
+            seen = (engine.kv_cache_dtype, engine.self_cache_scale_bytes(), engine.self_cache_bytes())
+    return torch.cat(chunks, 2), seen
+
+
+def test_an_8bit_cache_is_never_on_unless_asked(pipe):
+    default, seen = _stream(pipe)
+    full = expected_self_cache_bytes(LAYERS, 1, HEADS, 6, HEAD_DIM, torch.float32)
+    assert seen == (None, 0, full)  # compute dtype, no scales, the float32 formula over the 6 held frames
+    off, seen_off = _stream(pipe, kv_cache_dtype=None)
+    assert torch.equal(off, default) and seen_off == seen
+    on, seen_on = _stream(pipe, kv_cache_dtype="int8")
+    assert seen_on[0] == torch.int8 and seen_on[1] > 0 and seen_on[2] < full
+    assert not torch.equal(on, default)  # the opt-in changes the numbers: the default is not quantized
+    again, seen_again = _stream(pipe)  # nothing sticks from the previous call
+    assert torch.equal(again, default) and seen_again == seen
+    # a pipeline config (what `convert` writes) cannot switch it on: it is a call / CLI option only
+    from fastgen_diffusers import WanCausalPipeline
+
+    with pytest.raises(TypeError):
+        WanCausalPipeline(**pipe.components, kv_cache_dtype="int8")
