@@ -6,6 +6,8 @@
   stay below ``context_frames + chunk`` frames, over 20 chunks.
 * 8-bit cache (#15): never silently on: a call without ``kv_cache_dtype`` builds engines that store the compute
   dtype, bit-equal to ``kv_cache_dtype=None``, and a converted model's config cannot carry it.
+* EMA sink (#15): kept per tag (interleaved CFG tags equal each tag alone) and per block (each block's sink is the
+  EMA of its own evicted K/V).
 """
 
 from __future__ import annotations
@@ -96,3 +98,62 @@ def test_an_8bit_cache_is_never_on_unless_asked(pipe):
 
     with pytest.raises(TypeError):
         WanCausalPipeline(**pipe.components, kv_cache_dtype="int8")
+
+
+# ------------------------------------------------------------------------------ EMA sink: per tag, per block (#15 §2)
+REWARD = {"window_frames": 9, "sink_frames": 3, "rope_positions": "window", "sink_update": "ema", "sink_decay": 0.5}
+
+
+def _tagged_rollout(model, tags, num_chunks=6):
+    """Per chunk and per tag (interleaved): a denoising call then the store, each tag on its own latents and text.
+    Returns every output per tag and, per tag, block and chunk, the visible (sink + recent) K/V after the store."""
+    gen = torch.Generator().manual_seed(5)
+    data = {tag: (torch.randn(1, 16, CHUNK * num_chunks, 4, 6, generator=gen), torch.randn(1, 8, 32, generator=gen))
+            for tag in ("pos", "neg")}  # fmt: skip
+    outputs, prefixes = {tag: [] for tag in tags}, {tag: [] for tag in tags}
+    engine = model.kv_cache_engines["main"]
+    for chunk in range(num_chunks):
+        start = CHUNK * chunk
+        for tag in tags:
+            latents, text = data[tag]
+            x = latents[:, :, start : start + CHUNK]
+            for t, store in ((1000.0, False), (0.0, True)):
+                out = model(x, torch.tensor([t]), text, start_frame=start, cache_tag=tag, store_kv=store)
+                outputs[tag].append(out[0] if isinstance(out, tuple) else out.sample)
+            prefixes[tag].append(
+                [tuple(p.clone() for p in engine.get_self_prefix(b, tag, start + CHUNK, CHUNK))
+                 for b in range(engine.num_blocks)]
+            )  # fmt: skip
+    return outputs, prefixes
+
+
+@pytest.mark.parametrize("kind", ["static", "vanilla"])
+@torch.no_grad()
+def test_the_ema_sink_is_kept_per_tag_and_per_block(kind):
+    from conftest import make_causal_transformer
+
+    from fastgen_diffusers.kv_cache import make_engines
+
+    model = make_causal_transformer(chunk_size=CHUNK)
+    model.set_kv_cache_engines(make_engines(model, kind, **REWARD))
+    both, both_prefixes = _tagged_rollout(model, ("pos", "neg"))
+    tokens = both_prefixes["pos"][0][0][0].shape[1] // CHUNK  # after chunk 0 the cache holds the sink: 3 frames
+    for tag in ("pos", "neg"):  # interleaving the two tags changes nothing of either: their sinks do not mix
+        model.set_kv_cache_engines(make_engines(model, kind, **REWARD))
+        alone, _ = _tagged_rollout(model, (tag,))
+        assert all(torch.equal(a, b) for a, b in zip(alone[tag], both[tag]))
+    sink = slice(0, 3 * tokens)
+    for tag in ("pos", "neg"):
+        prefixes = both_prefixes[tag]
+        for block in range(len(prefixes[0])):
+            # chunk 3's store evicts frames 3..5 (seen after chunk 1 right behind the sink) into the sink
+            for kv in (0, 1):
+                before = prefixes[2][block][kv][:, sink]
+                evicted = prefixes[1][block][kv][:, 3 * tokens : 6 * tokens]
+                after = prefixes[3][block][kv][:, sink]
+                assert torch.equal(prefixes[1][block][kv][:, sink], before)  # no eviction before chunk 3
+                torch.testing.assert_close(after, 0.5 * before + 0.5 * evicted, rtol=0, atol=1e-6)
+                assert (after - before).abs().max() > 1e-2
+        # each block and each tag has its own sink
+        assert not torch.allclose(prefixes[3][0][0][:, sink], prefixes[3][1][0][:, sink])
+    assert not torch.allclose(both_prefixes["pos"][3][0][0][:, sink], both_prefixes["neg"][3][0][0][:, sink])
