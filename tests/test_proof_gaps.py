@@ -8,6 +8,7 @@
   dtype, bit-equal to ``kv_cache_dtype=None``, and a converted model's config cannot carry it.
 * EMA sink (#15): kept per tag (interleaved CFG tags equal each tag alone) and per block (each block's sink is the
   EMA of its own evicted K/V).
+* LongLive's infinity mode (#15 §1): its positions rule, and a 1101-frame stream with a recached switch.
 """
 
 from __future__ import annotations
@@ -157,3 +158,47 @@ def test_the_ema_sink_is_kept_per_tag_and_per_block(kind):
         # each block and each tag has its own sink
         assert not torch.allclose(prefixes[3][0][0][:, sink], prefixes[3][1][0][:, sink])
     assert not torch.allclose(both_prefixes["pos"][3][0][0][:, sink], both_prefixes["neg"][3][0][0][:, sink])
+
+
+# ------------------------------------------------------------------ LongLive's infinity mode (#15 §1), by its rule
+def test_longlive_infinity_positions_are_window_slots_with_a_fixed_sink():
+    """LongLive's infinity mode (NVlabs/LongLive ``wan/modules/causal_model_infinity.py``, commit 7add41d:
+    ``local_attn_size 12, sink_size 3``) keeps K before RoPE and rotates the cached keys by their slot ``0 .. n-1``;
+    once the window is full its queries sit at ``local_attn_size - F .. local_attn_size - 1`` (9..11), before that at
+    their own frame. ``rope_positions="window"`` with the default fixed sink gives exactly that."""
+    from fastgen_diffusers import StaticKVCacheEngine, VanillaKVCacheEngine
+
+    for engine_class in (StaticKVCacheEngine, VanillaKVCacheEngine):
+        engine = engine_class(window_frames=12, sink_frames=3, rope_positions="window")
+        assert engine.keys_before_rope
+        for start in (0, 3, 6, 9, 12, 15, 300, 3000):
+            positions = engine.key_positions("pos", start, CHUNK, CHUNK)
+            visible = min(start + CHUNK, 12)
+            assert positions.keys == tuple(range(visible))
+            assert positions.queries == tuple(range(visible - CHUNK, visible))
+
+
+def test_a_longlive_infinity_stream_with_a_recached_switch_runs_past_the_rope_table(pipe):
+    """Window 12, sink 3, window-relative RoPE, fixed sink, a prompt switch with ``recache`` at latent frame 600:
+    1101 latent frames (past the 1024-position table, re-basing off) in flat memory, positions never re-based, and the
+    switch re-runs the window's chunks only."""
+    assert pipe.transformer.config.rope_max_seq_len == 1024 and not pipe.transformer.rope_rebasing
+    latent_frames = 1101
+    forwards, held, offsets = [], [], set()
+    handle = pipe.transformer.register_forward_pre_hook(lambda *args: forwards.append(1))
+    try:
+        stream = pipe.stream(
+            **{**CALL, "prompt": {0: "a cat", 4 * 600: "a dog"}}, num_frames=4 * (latent_frames - 1) + 1,
+            attention_window=12, sink_frames=3, rope_positions="window", recache=True,
+        )  # fmt: skip
+        for _ in stream:
+            engine = pipe.transformer.kv_cache_engines["main"]
+            held.append(engine.self_cache_bytes())
+            offsets.add(engine.rope_offset("pos"))
+    finally:
+        handle.remove()
+    assert len(held) == latent_frames // CHUNK and offsets == {0}
+    assert set(held[3:-1]) == {expected_self_cache_bytes(LAYERS, 1, HEADS, 12, HEAD_DIM, torch.float32)}
+    # per chunk one denoising step and one store (the last chunk is not stored), plus the recache of the window's
+    # 12 / 3 = 4 chunks at the switch (not the 200 chunks before it)
+    assert len(forwards) == 2 * len(held) - 1 + 4
