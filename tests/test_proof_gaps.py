@@ -9,6 +9,7 @@
 * EMA sink (#15): kept per tag (interleaved CFG tags equal each tag alone) and per block (each block's sink is the
   EMA of its own evicted K/V).
 * LongLive's infinity mode (#15 §1): its positions rule, and a 1101-frame stream with a recached switch.
+* Processors (#14, #15): they import no pipeline module and name no policy.
 """
 
 from __future__ import annotations
@@ -202,3 +203,22 @@ def test_a_longlive_infinity_stream_with_a_recached_switch_runs_past_the_rope_ta
     # per chunk one denoising step and one store (the last chunk is not stored), plus the recache of the window's
     # 12 / 3 = 4 chunks at the switch (not the 200 chunks before it)
     assert len(forwards) == 2 * len(held) - 1 + 4
+
+
+# ------------------------------------------------------------------ processors stay policy-agnostic (#14, #15)
+def test_processors_never_name_a_policy_or_import_the_pipelines():
+    """The attention processors ask the block's inputs (from the context and engine) what to attend to and with which
+    bias: their module imports nothing of ``pipelines`` and names no policy, window rule or position mode."""
+    import ast
+    from pathlib import Path
+
+    import fastgen_diffusers.processors as processors
+
+    for path in Path(processors.__file__).parent.glob("*.py"):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom):
+                assert "pipelines" not in (node.module or ""), (path.name, node.module)
+        code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("#", '"', "'")))
+        for word in ("recompute", "rolling", "policy", "krea", "reward", "sink", "rope_positions", "ema", "anchor"):
+            assert word not in code.lower().replace("schema", ""), (path.name, word)
