@@ -10,6 +10,7 @@
   EMA of its own evicted K/V).
 * LongLive's infinity mode (#15 §1): its positions rule, and a 1101-frame stream with a recached switch.
 * Processors (#14, #15): they import no pipeline module and name no policy.
+* Rolling Forcing with CFG (#15): supported, and equal to the unguided run when the negative prompt is the prompt.
 """
 
 from __future__ import annotations
@@ -222,3 +223,18 @@ def test_processors_never_name_a_policy_or_import_the_pipelines():
         code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("#", '"', "'")))
         for word in ("recompute", "rolling", "policy", "krea", "reward", "sink", "rope_positions", "ema", "anchor"):
             assert word not in code.lower().replace("schema", ""), (path.name, word)
+
+
+# ------------------------------------------------------------------ rolling denoising with CFG (#15 §3, §Proof)
+def test_rolling_with_guidance_is_supported_and_reduces_to_the_unguided_run(pipe):
+    """Rolling Forcing under classifier-free guidance is supported (so there is nothing to refuse): with the negative
+    prompt equal to the prompt the guided prediction ``neg + s (pos - neg)`` is ``pos`` and the run equals the
+    unguided one exactly; another negative prompt changes it."""
+    call = {**CALL, "num_frames": 57, "num_inference_steps": 4, "kv_cache_policy": "rolling"}  # 5 chunks of 3
+
+    def latents(**kwargs):
+        return pipe(**call, generator=torch.Generator().manual_seed(0), **kwargs).frames
+
+    plain = latents()
+    assert torch.equal(latents(guidance_scale=3.0, negative_prompt="a cat"), plain)
+    assert (latents(guidance_scale=3.0, negative_prompt="blur") - plain).abs().max() > 1e-3
