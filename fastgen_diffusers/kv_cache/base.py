@@ -128,7 +128,7 @@ class BaseKVCacheEngine:
         rope_positions: str = "absolute",
         sink_update: str = "fixed",
         sink_decay: float = 0.999,
-        # 8-bit KV cache (#15 §5)
+        # 8-bit KV cache
         kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
         self.window = AttentionWindow.from_arguments(window_frames, sink_frames, frames_name="window_frames")

@@ -24,7 +24,7 @@ def make_engines(
     rope_positions: str = "absolute",
     sink_update: str = "fixed",
     sink_decay: float = 0.999,
-    # 8-bit KV cache (#15 §5)
+    # 8-bit KV cache
     kv_cache_dtype: torch.dtype | str | None = None,
 ) -> dict[str, BaseKVCacheEngine]:
     """One engine per branch of ``transformer`` (``transformer.kv_cache_branches()``), ready for

@@ -135,7 +135,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         rope_positions: str = "absolute",
         sink_update: str = "fixed",
         sink_decay: float = 0.999,
-        # 8-bit KV cache (#15 §5)
+        # 8-bit KV cache
         kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
         super().__init__(

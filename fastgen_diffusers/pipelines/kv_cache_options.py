@@ -65,7 +65,7 @@ class KVCacheOptionsMixin:
         rope_positions: str = "absolute",
         sink_update: str = "fixed",
         sink_decay: float = 0.999,
-        # 8-bit KV cache (#15 §5)
+        # 8-bit KV cache
         kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
         """Give the transformer fresh engines of kind ``kv_cache_engine`` (``"static"`` or ``"vanilla"``) with the
@@ -132,7 +132,7 @@ class KVCacheOptionsMixin:
         rope_positions: str = "absolute",
         sink_update: str = "fixed",
         sink_decay: float = 0.999,
-        # 8-bit KV cache (#15 §5)
+        # 8-bit KV cache
         kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
         """Raise ``ValueError`` for an engine kind, window, positions mode, sink update or storage dtype the engines

@@ -430,9 +430,9 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         rope_positions: str | None = None,
         sink_update: str | None = None,
         sink_decay: float | None = None,
-        # 8-bit KV cache (#15 §5)
+        # 8-bit KV cache
         kv_cache_dtype: torch.dtype | str | None = None,
-        # Krea's re-encoded anchor (recompute) and prompt transitions (issue #14)
+        # Krea's re-encoded anchor (recompute) and prompt transitions
         keep_first_frame: bool | None = None,
         prompt_transition_chunks: int = 0,
     ) -> WanPipelineOutput | tuple:

@@ -292,9 +292,9 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         rope_positions: str | None = None,
         sink_update: str | None = None,
         sink_decay: float | None = None,
-        # 8-bit KV cache (#15 §5)
+        # 8-bit KV cache
         kv_cache_dtype: torch.dtype | str | None = None,
-        # Krea's recompute (and its attention bias, its re-encoded anchor) and prompt transitions (issue #14)
+        # Krea's recompute (and its attention bias, its re-encoded anchor) and prompt transitions
         kv_cache_policy: str | None = None,
         context_frames: int | None = None,
         kv_cache_attention_bias: float | None = None,

@@ -272,9 +272,9 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         rope_positions: str | None = None,
         sink_update: str | None = None,
         sink_decay: float | None = None,
-        # 8-bit KV cache (#15 §5)
+        # 8-bit KV cache
         kv_cache_dtype: torch.dtype | str | None = None,
-        # KV cache policy, attention bias and prompt transitions (issue #14): conditioned chunks sample sequentially
+        # KV cache policy, attention bias and prompt transitions: conditioned chunks sample sequentially
         kv_cache_policy: str | None = None,
         context_frames: int | None = None,
         kv_cache_attention_bias: float | None = None,
