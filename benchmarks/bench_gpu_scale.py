@@ -60,7 +60,7 @@ from fastgen_diffusers.pipelines.policy_rolling import ANCHOR_POSITIONS, Rolling
 from fastgen_diffusers.pipelines.rollout import CausalRolloutMixin
 from fastgen_diffusers.pipelines.session import RolloutSession
 from fastgen_diffusers.pipelines.sources import NoiseSource
-from fastgen_diffusers.testing import tiny_scheduler
+from fastgen_diffusers.testing import PolicyHost
 
 WAN_1_3B = {
     "patch_size": (1, 2, 2),
@@ -282,36 +282,10 @@ def bias_part(scale: Scale, repeats: int) -> None:
         )
 
 
-class _Bar:
-    total = 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *args):
-        return None
-
-    def update(self) -> None:
-        pass
-
-
-class PolicyHost:
-    """What a rollout policy reads of a pipeline (scheduler, progress bar, callback state): the policies drive the
-    transformer alone, without text encoder or VAE (tests/test_rolling_forcing.py runs them the same way)."""
-
-    interrupt = False
-    _num_timesteps = 0
-    _current_timestep = None
-
-    def __init__(self) -> None:
-        self.scheduler = tiny_scheduler()  # FlowMatchEulerDiscreteScheduler(shift=5, stochastic_sampling=True)
-
-    def progress_bar(self, total):
-        return _Bar()
-
-    def plan(self, chunks: int, steps: int, timesteps=None) -> ChunkPlan:
-        schedule = CausalRolloutMixin.rollout_schedule(self, steps, timesteps=timesteps)
-        return ChunkPlan.from_bounds([(CHUNK * b, CHUNK * (b + 1)) for b in range(chunks)], schedule)
+def chunk_plan(host: PolicyHost, chunks: int, steps: int, timesteps=None) -> ChunkPlan:
+    """``chunks`` chunks of ``CHUNK`` frames on ``host``'s scheduler (``steps`` steps, or the given ``timesteps``)."""
+    schedule = CausalRolloutMixin.rollout_schedule(host, steps, timesteps=timesteps)
+    return ChunkPlan.from_bounds([(CHUNK * b, CHUNK * (b + 1)) for b in range(chunks)], schedule)
 
 
 def policy_rollout(scale: Scale, policy, plan: ChunkPlan, noise: torch.Tensor) -> tuple[list[float], dict[str, int]]:
@@ -352,7 +326,7 @@ def recompute_part(scale: Scale) -> None:
     per chunk from chunk 1 on."""
     chunks = 4 if scale.tiny else 8
     host = PolicyHost()
-    plan = host.plan(chunks, len(STEPS))
+    plan = chunk_plan(host, chunks, len(STEPS))
     noise = scale.noise(CHUNK * chunks, seed=3, dtype=torch.float32)
     rows = {
         "windowed": (SequentialPolicy(), {"window_frames": CONTEXT + CHUNK}, CHUNK * chunks),
@@ -385,7 +359,7 @@ def rolling_part(scale: Scale) -> None:
     window), both on Rolling Forcing's 5 warped steps, static engine: forwards per chunk, frames/s (second run)."""
     chunks = 5 if scale.tiny else 7
     host = PolicyHost()
-    plan = host.plan(chunks, len(ROLLING_FORCING_STEPS), timesteps=list(ROLLING_FORCING_STEPS))
+    plan = chunk_plan(host, chunks, len(ROLLING_FORCING_STEPS), timesteps=list(ROLLING_FORCING_STEPS))
     noise = scale.noise(CHUNK * chunks, seed=4, dtype=torch.float32)
     frames = video_frames(CHUNK * chunks)
     rolling = RollingPolicy()

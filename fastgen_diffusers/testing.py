@@ -113,3 +113,34 @@ def tiny_vace_pipeline(seed: int = 0, **transformer_overrides) -> WanCausalVACEP
 def tiny_pipeline(seed: int = 0, **transformer_overrides) -> WanCausalPipeline:
     """A random-weight [`WanCausalPipeline`] that runs on a CPU in well under a second (e.g. 32x32, 9 frames)."""
     return WanCausalPipeline(**tiny_components(seed, **transformer_overrides))
+
+
+class _SilentProgressBar:
+    """A progress bar that shows nothing (``total`` grows for open-ended rollouts, as tqdm's does)."""
+
+    total = 0
+
+    def __enter__(self) -> _SilentProgressBar:
+        return self
+
+    def __exit__(self, *args) -> None:
+        return None
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+class PolicyHost:
+    """What a rollout policy reads of a pipeline: its ``scheduler`` (a tiny shift-5 one by default), a progress bar
+    and the diffusers callback state. Runs a policy on the transformer alone, without text encoder or VAE:
+    ``policy.run(PolicyHost(), session, plan, source)``."""
+
+    interrupt = False
+    _num_timesteps = 0
+    _current_timestep = None
+
+    def __init__(self, scheduler=None) -> None:
+        self.scheduler = tiny_scheduler() if scheduler is None else scheduler
+
+    def progress_bar(self, total: int | None = None) -> _SilentProgressBar:
+        return _SilentProgressBar()

@@ -24,7 +24,7 @@ from fastgen_diffusers.pipelines.conditioning import Conditioner
 from fastgen_diffusers.pipelines.policy_recompute import RecomputePolicy
 from fastgen_diffusers.pipelines.session import RolloutSession
 from fastgen_diffusers.pipelines.sources import NoiseSource
-from fastgen_diffusers.testing import tiny_pipeline
+from fastgen_diffusers.testing import PolicyHost, tiny_pipeline
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "krea_tiny"
 CHUNKS, CHUNK_FRAMES, CONTEXT_FRAMES, STEPS = 4, 3, 3, (1000.0, 750.0, 500.0, 250.0)
@@ -73,31 +73,6 @@ class RecordedScheduler:
         return (x0,)
 
 
-class _Bar:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *args):
-        return None
-
-    def update(self):
-        pass
-
-
-class StubPipe:
-    """What a policy reads of a pipeline."""
-
-    interrupt = False
-    _num_timesteps = 0
-    _current_timestep = None
-
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
-
-    def progress_bar(self, total):
-        return _Bar()
-
-
 def run_policy(reference, variant: str, noise_variant: str, bias: float, anchors: bool = True):
     """Drive a [`RecomputePolicy`] over the reference's 4 chunks; returns (calls, final latents, cache bytes)."""
     meta, inputs, outputs, model = reference
@@ -122,7 +97,7 @@ def run_policy(reference, variant: str, noise_variant: str, bias: float, anchors
     model.forward = recording
     try:
         with torch.no_grad():
-            pipe = StubPipe(RecordedScheduler(inputs, noise_variant))
+            pipe = PolicyHost(RecordedScheduler(inputs, noise_variant))
             for chunk in policy.run(pipe, session, plan, NoiseSource(noise)):
                 latents.append(chunk.latents)
                 cache_bytes.append(model.kv_cache_bytes())

@@ -26,7 +26,7 @@ from fastgen_diffusers.pipelines.policy_rolling import RollingPolicy, rolling_wi
 from fastgen_diffusers.pipelines.rollout import CausalRolloutMixin
 from fastgen_diffusers.pipelines.session import RolloutSession
 from fastgen_diffusers.pipelines.sources import NoiseSource
-from fastgen_diffusers.testing import tiny_pipeline, tiny_scheduler
+from fastgen_diffusers.testing import PolicyHost, tiny_pipeline
 
 ROLLING = Path(__file__).resolve().parent / "data" / "rolling_forcing_tiny"
 BLOCK = 3
@@ -42,33 +42,6 @@ def reference():
 def layout(x: torch.Tensor) -> torch.Tensor:
     """``[B, F, C, H, W]`` (upstream's layout) <-> ``[B, C, F, H, W]``."""
     return x.permute(0, 2, 1, 3, 4)
-
-
-class _Bar:
-    total = 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *args):
-        return None
-
-    def update(self):
-        pass
-
-
-class StubPipe:
-    """What a policy reads of a pipeline: the scheduler, the progress bar and the callback state."""
-
-    interrupt = False
-    _num_timesteps = 0
-    _current_timestep = None
-
-    def __init__(self):
-        self.scheduler = tiny_scheduler()
-
-    def progress_bar(self, total):
-        return _Bar()
 
 
 class ReplayTransformer:
@@ -105,7 +78,7 @@ def run_policy(meta, inputs, transformer, store_last=True):
         transformer, Conditioner(), prompt_embeds=inputs["prompt_embeds"], negative_prompt_embeds=None,
         guidance_scale=1.0, context_noise=0.0, schedule={}, keep_history=False,
     )  # fmt: skip
-    pipe = StubPipe()
+    pipe = PolicyHost()
     schedule = CausalRolloutMixin.rollout_schedule(pipe, 5, timesteps=meta["denoising_step_list_used"])
     plan = ChunkPlan.from_bounds([(BLOCK * b, BLOCK * b + BLOCK) for b in range(meta["num_blocks"])], schedule)
     generator = torch.Generator().manual_seed(meta["seeds"]["loop_global_rng"])  # upstream's global RNG seed
