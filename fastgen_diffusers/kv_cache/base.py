@@ -478,9 +478,8 @@ class BaseKVCacheEngine:
         """The frame of every key frame a call attends to, in the order the engine returns the keys."""
         if in_place:
             raise ValueError(f"{type(self).__name__} has no in-place attention path.")
-        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
-        own = range(start_frame, start_frame + num_frames)
-        return [*range(sink_end), *range(recent_start, start_frame), *own]
+        prefix = self.prefix_key_frames(cache_tag, start_frame, first_chunk_frames, attention_window)
+        return [*prefix, *range(start_frame, start_frame + num_frames)]
 
     def static_call(
         self,
