@@ -95,9 +95,9 @@ class Transaction:
 class BaseKVCacheEngine:
     """Storage and rules shared by every engine; subclasses decide how self-attention K/V are laid out.
 
-    Subclasses implement :meth:`_new_self_entry`, :meth:`_self_prefix_pieces`, :meth:`append_self_kv`,
+    Subclasses implement :meth:`_new_self_entry`, :meth:`_frame_pieces`, :meth:`append_self_kv`,
     :meth:`_truncate_self_entry`, :meth:`_evict_self_entry`, :meth:`_rotate_self_entry`, :meth:`_copy_self_entry`
-    and :meth:`_self_entry_tensors` (and, for the EMA sink, :meth:`_frames_kv` and :meth:`_replace_sink`). An
+    and :meth:`_self_entry_tensors` (and, for the EMA sink, :meth:`_replace_sink`). An
     engine that writes tensors in place records how to undo each write in the open :class:`Transaction`
     (``self._transaction``).
 
@@ -691,6 +691,14 @@ class BaseKVCacheEngine:
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> Any:
         raise NotImplementedError
 
+    def _frame_pieces(
+        self, entry: Any, state: TagState, ranges: Sequence[tuple[int, int]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The held frames of ``entry`` in the ascending, disjoint frame ranges ``ranges`` (``[first, last)`` each), as
+        K and V pieces ``(B, tokens, H, D)`` in frame order, decoded to the compute dtype (views where the storage
+        allows)."""
+        raise NotImplementedError
+
     def _self_prefix_pieces(
         self,
         block_idx: int,
@@ -699,8 +707,10 @@ class BaseKVCacheEngine:
         first_chunk_frames: int,
         attention_window: AttentionWindow | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Views of the visible cached K and V, each ``(B, tokens, H, D)``, in frame order (:meth:`held_visible`)."""
-        raise NotImplementedError
+        """The visible cached K and V pieces, each ``(B, tokens, H, D)``, in frame order (:meth:`held_visible`)."""
+        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
+        ranges = ((0, sink_end), (recent_start, start_frame))
+        return self._frame_pieces(self._self_kv[block_idx][cache_tag], self._tags[cache_tag], ranges)
 
     def append_self_kv(
         self, block_idx: int, cache_tag: str, key: torch.Tensor, value: torch.Tensor, start_frame: int
@@ -713,7 +723,8 @@ class BaseKVCacheEngine:
 
     def _frames_kv(self, entry: Any, state: TagState, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Held frames ``[first, last)`` of ``entry`` as ``(key, value)`` ``(B, (last - first) * S, H, D)``."""
-        raise NotImplementedError
+        keys, values = self._frame_pieces(entry, state, ((first, last),))
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
     def _replace_sink(self, entry: Any, state: TagState, key: torch.Tensor, value: torch.Tensor) -> None:
         """Replace the K/V of the first sink frames of ``entry`` by ``key``/``value`` (undone by :meth:`rollback`)."""

@@ -280,12 +280,15 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             )
         return list(self._slot_frames(start_frame + num_frames))
 
-    def _frames_kv(self, entry: StaticSelfEntry, state: TagState, first: int, last: int):
+    def _frame_pieces(self, entry: StaticSelfEntry, state: TagState, ranges):
         seqlen = state.frame_seqlen
-        pieces = [slice(slot * seqlen, (slot + count) * seqlen) for _, slot, count in self._slot_runs(first, last)]
-        key = torch.cat([self._decode_kv(entry.key[:, tokens], state) for tokens in pieces], dim=1)
-        value = torch.cat([self._decode_kv(entry.value[:, tokens], state) for tokens in pieces], dim=1)
-        return key, value
+        keys, values = [], []
+        for first, last in ranges:
+            for _, slot, count in self._slot_runs(first, last):
+                tokens = slice(slot * seqlen, (slot + count) * seqlen)
+                keys.append(self._decode_kv(entry.key[:, tokens], state))
+                values.append(self._decode_kv(entry.value[:, tokens], state))
+        return keys, values
 
     def _replace_sink(self, entry: StaticSelfEntry, state: TagState, key: torch.Tensor, value: torch.Tensor) -> None:
         seqlen = state.frame_seqlen
@@ -293,19 +296,6 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         self._keep_for_undo(entry, 0, frames, seqlen)
         entry.key[:, : frames * seqlen] = self._encode_kv(key, state)
         entry.value[:, : frames * seqlen] = self._encode_kv(value, state)
-
-    def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames, attention_window=None):
-        entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
-        state = self._tags[cache_tag]
-        seqlen = state.frame_seqlen
-        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
-        keys, values = [], []
-        for first, last in ((0, sink_end), (recent_start, start_frame)):
-            for _, slot, count in self._slot_runs(first, last):
-                tokens = slice(slot * seqlen, (slot + count) * seqlen)
-                keys.append(self._decode_kv(entry.key[:, tokens], state))
-                values.append(self._decode_kv(entry.value[:, tokens], state))
-        return keys, values
 
     # ------------------------------------------------------------------ fixed-shape attention (compiled rollouts)
     def static_call(

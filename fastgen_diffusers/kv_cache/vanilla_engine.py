@@ -54,14 +54,11 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> VanillaSelfEntry:
         return VanillaSelfEntry()
 
-    def _self_prefix_pieces(self, block_idx, cache_tag, start_frame, first_chunk_frames, attention_window=None):
-        entry: VanillaSelfEntry = self._self_kv[block_idx][cache_tag]
-        state = self._tags[cache_tag]
+    def _frame_pieces(self, entry: VanillaSelfEntry, state: TagState, ranges):
         seqlen = state.frame_seqlen
-        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
         keys, values = [], []
         for run_start, run_end, key, value in entry.runs(seqlen):
-            for low, high in ((0, sink_end), (recent_start, start_frame)):
+            for low, high in ranges:
                 first, last = max(low, run_start), min(high, run_end)
                 if first >= last:
                     continue
@@ -119,17 +116,6 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
                     tokens = slice((first - run_start) * seqlen, (last - run_start) * seqlen)
                     runs.append((first, key[:, tokens].clone(), value[:, tokens].clone()))
         entry.replace(runs)
-
-    def _frames_kv(self, entry: VanillaSelfEntry, state: TagState, first: int, last: int):
-        seqlen = state.frame_seqlen
-        keys, values = [], []
-        for run_start, run_end, key, value in entry.runs(seqlen):
-            low, high = max(first, run_start), min(last, run_end)
-            if low < high:
-                tokens = slice((low - run_start) * seqlen, (high - run_start) * seqlen)
-                keys.append(self._decode_kv(key[:, tokens], state))
-                values.append(self._decode_kv(value[:, tokens], state))
-        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
     def _replace_sink(self, entry: VanillaSelfEntry, state: TagState, key: torch.Tensor, value: torch.Tensor) -> None:
         # new run tensors, never an in-place write: a transaction's snapshot (the run lists) restores the old sink
