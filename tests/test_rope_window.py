@@ -14,11 +14,24 @@ from conftest import make_causal_transformer
 
 from fastgen_diffusers import StaticKVCacheEngine, VanillaKVCacheEngine
 from fastgen_diffusers.kv_cache import ROPE_POSITION_MODES, expected_self_cache_bytes, make_engines
+from fastgen_diffusers.models.rope import CausalRotaryTables
 from fastgen_diffusers.testing import tiny_pipeline
 
 ENGINES = {"static": StaticKVCacheEngine, "vanilla": VanillaKVCacheEngine}
 REWARD = {"window_frames": 9, "sink_frames": 3, "rope_positions": "window", "sink_update": "ema"}
 CHUNK = 3
+
+
+def test_rotations_at_positions_match_the_contiguous_grid():
+    """``tables.at_positions(range(s, s + F))`` is ``tables(s, F)`` bit for bit; other orders pick the same rows."""
+    tables = CausalRotaryTables(attention_head_dim=16, patch_size=(1, 2, 2), max_seq_len=32)
+    contiguous = tables(5, 3, 2, 4, "cpu")
+    assert torch.equal(tables.at_positions(range(5, 8), 2, 4, "cpu"), contiguous)
+    per_frame = contiguous.view(3, 8, -1)
+    shuffled = tables.at_positions([7, 5, 5], 2, 4, "cpu").view(3, 8, -1)
+    assert torch.equal(shuffled, per_frame[[2, 0, 0]])
+    with pytest.raises(ValueError, match=r"Temporal RoPE positions \[0, 32\] fall outside"):
+        tables.at_positions([0, 32], 2, 4, "cpu")
 
 
 @pytest.mark.parametrize("kind", sorted(ENGINES))

@@ -55,6 +55,10 @@ class CausalRotaryTables:
             )
         return self._per_device[device]
 
+    def _check_grid(self, height: int, width: int) -> None:
+        if max(height, width) > self.max_seq_len:
+            raise ValueError(f"A latent grid of {height}x{width} tokens exceeds the RoPE table ({self.max_seq_len}).")
+
     def check_range(self, start_position: int, num_frames: int, height: int, width: int) -> None:
         """Raise ``ValueError`` if temporal positions ``[start_position, start_position + num_frames)`` or the
         ``height x width`` grid fall outside the table (never index past it silently)."""
@@ -66,8 +70,7 @@ class CausalRotaryTables:
                 "positions back and keep generating (see its docstring for the trade-off), or keep videos within "
                 f"{self.max_seq_len} latent frames."
             )
-        if max(height, width) > self.max_seq_len:
-            raise ValueError(f"A latent grid of {height}x{width} tokens exceeds the RoPE table ({self.max_seq_len}).")
+        self._check_grid(height, width)
 
     def check_positions(self, positions: Sequence[int], height: int, width: int) -> None:
         """Raise ``ValueError`` if any temporal position of ``positions`` or the grid falls outside the table."""
@@ -77,8 +80,7 @@ class CausalRotaryTables:
                 f"Temporal RoPE positions [{low}, {high}] fall outside the RoPE table of {self.max_seq_len} positions "
                 "(`rope_max_seq_len`)."
             )
-        if max(height, width) > self.max_seq_len:
-            raise ValueError(f"A latent grid of {height}x{width} tokens exceeds the RoPE table ({self.max_seq_len}).")
+        self._check_grid(height, width)
 
     def at_positions(self, positions: Sequence[int], height: int, width: int, device: torch.device) -> torch.Tensor:
         """Rotations ``(1, len(positions)*H*W, 1, D/2)`` complex64 of frames at arbitrary temporal ``positions``.
@@ -95,17 +97,8 @@ class CausalRotaryTables:
         if cached is not None:
             self._position_grids.move_to_end(key)
             return cached
-        cos, sin = self._tables(device)
-        frames = len(positions)
-        index = torch.tensor(positions, device=cos[0].device)
-        shapes = ((frames, 1, 1, -1), (1, height, 1, -1), (1, 1, width, -1))
-
-        def grid(tables):  # keep one of each interleaved pair, as ``__call__``
-            rows = (tables[0][index, ::2], tables[1][:height, ::2], tables[2][:width, ::2])
-            parts = [t.view(s).expand(frames, height, width, -1) for t, s in zip(rows, shapes)]
-            return torch.cat(parts, dim=-1).reshape(1, frames * height * width, 1, -1)
-
-        rotations = torch.complex(grid(cos), grid(sin)).to(torch.complex64)
+        index = torch.tensor(positions, device=self._tables(device)[0][0].device)
+        rotations = self._grid(index, len(positions), height, width, device)
         self._position_grids[key] = rotations
         if len(self._position_grids) > 8:
             self._position_grids.popitem(last=False)
@@ -135,16 +128,20 @@ class CausalRotaryTables:
         key = (start_frame, num_frames, height, width, torch.device(device))
         if self._last_grid is not None and self._last_grid[0] == key:  # every step of a chunk asks for the same grid
             return self._last_grid[1]
+        rotations = self._grid(slice(start_frame, start_frame + num_frames), num_frames, height, width, device)
+        self._last_grid = (key, rotations)
+        return rotations
+
+    def _grid(self, temporal, num_frames: int, height: int, width: int, device: torch.device) -> torch.Tensor:
+        """Rotations ``(1, F*H*W, 1, D/2)`` complex64 of ``num_frames`` frames whose temporal table rows are
+        ``temporal`` (a slice, or an index tensor on the tables' device), by rows ``[0, height)`` and columns
+        ``[0, width)``."""
         cos, sin = self._tables(device)
-        ranges = (slice(start_frame, start_frame + num_frames), slice(0, height), slice(0, width))
+        rows = (temporal, slice(0, height), slice(0, width))
         shapes = ((num_frames, 1, 1, -1), (1, height, 1, -1), (1, 1, width, -1))
 
         def grid(tables):  # the tables repeat each frequency twice (interleaved pairs): keep one of each pair
-            parts = [
-                t[r, ::2].view(s).expand(num_frames, height, width, -1) for t, r, s in zip(tables, ranges, shapes)
-            ]
+            parts = [t[r, ::2].view(s).expand(num_frames, height, width, -1) for t, r, s in zip(tables, rows, shapes)]
             return torch.cat(parts, dim=-1).reshape(1, num_frames * height * width, 1, -1)
 
-        rotations = torch.complex(grid(cos), grid(sin)).to(torch.complex64)
-        self._last_grid = (key, rotations)
-        return rotations
+        return torch.complex(grid(cos), grid(sin)).to(torch.complex64)
