@@ -252,10 +252,8 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         check_window_fits_chunks(options.attention_window, options.sink_frames, bounds)
         check_sink_update_fits_chunks(options.attention_window, options.sink_frames, options.sink_update, bounds)
         check_prompt_schedule(self, prompt_schedule, bounds, shape.num_reference_frames)
-        num_levels = len(
-            self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)["sigmas"]
-        )
-        rolling = self.check_rolling_rollout(options, bounds, num_levels)
+        schedule = self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)
+        rolling = self.check_rolling_rollout(options, bounds, len(schedule["sigmas"]))
 
         # 2. Encode input prompt
         device = self._execution_device
@@ -268,8 +266,7 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         # its conditioning)
         conditioner = self.prepare_conditioner(options, shape, batch_size, device)
 
-        # 4. Prepare timesteps (set on the scheduler again at every chunk) and latent variables
-        schedule = self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)
+        # 4. Prepare timesteps (`schedule`, set on the scheduler again at every chunk) and latent variables
         first_schedule = None
         if options.first_chunk_timesteps is not None:
             first_schedule = self.rollout_schedule(1, timesteps=options.first_chunk_timesteps)
