@@ -301,10 +301,8 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
             keep_history=history_to_keep(options.keep_cache, options.recache and bool(switches)),
             num_reference_frames=refs,
             prompt_transition_chunks=options.prompt_transition_chunks,
+            kv_cache_attention_bias=options.kv_cache_attention_bias,
         )
-        # the KV-cache attention bias of every denoising forward, whatever the policy and window (a recompute policy
-        # sets its own)
-        session.attention_bias = float(options.kv_cache_attention_bias or 1.0)
         policy = rolling or self.select_policy(options)
         return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
 
@@ -323,9 +321,12 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         keep_history: bool | str = True,
         num_reference_frames: int = 0,
         prompt_transition_chunks: int = 0,
+        kv_cache_attention_bias: float | None = None,
     ) -> RolloutSession:
-        """A new [`RolloutSession`] on this pipeline's transformer."""
-        return RolloutSession(
+        """A new [`RolloutSession`] on this pipeline's transformer. ``kv_cache_attention_bias``: the KV-cache attention
+        bias of every denoising forward, whatever the policy and window (``None``: 1, off; a recompute policy sets its
+        own)."""
+        session = RolloutSession(
             self.transformer,
             conditioner,
             prompt_embeds=prompt_embeds,
@@ -341,6 +342,8 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
             num_reference_frames=num_reference_frames,
             prompt_transition_chunks=prompt_transition_chunks or 0,
         )
+        session.attention_bias = 1.0 if kv_cache_attention_bias is None else float(kv_cache_attention_bias)
+        return session
 
     @exclusive_rollout("pipe(...)")
     def generate(self, options: RolloutOptions) -> WanPipelineOutput | tuple:
