@@ -212,7 +212,10 @@ def check_kv_cache_dtype(args: argparse.Namespace) -> None:
 # Inputs of the image-to-video and VACE pipelines: their conditioning is read per chunk at the chunk's own frames, so
 # they sample chunk by chunk (the attention bias and prompt transitions apply; Krea's recompute, which moves a chunk's
 # forwards to the positions after its context, does not). tests/test_cli.py checks this against their signatures.
-CONDITIONED_INPUTS = ("image", "video", "control_video", "mask", "reference_image")
+VACE_INPUTS = ("control_video", "mask", "reference_image")
+CONDITIONED_INPUTS = ("image", "video", *VACE_INPUTS)
+# conditioning inputs (image-to-video, VACE, video-to-video) that the rolling policy cannot drive
+ROLLING_REFUSED_INPUTS = (*CONDITIONED_INPUTS, "input_video")
 
 
 def check_conditioned_options(args: argparse.Namespace) -> None:
@@ -310,13 +313,9 @@ def check_stored_settings(args: argparse.Namespace, stored: dict | None) -> None
         )
 
 
-# conditioning inputs (image-to-video, VACE, video-to-video) that the rolling policy cannot drive
-ROLLING_REFUSED_INPUTS = ("image", "video", "control_video", "mask", "reference_image", "input_video")
-
-
 def wants_vace(args: argparse.Namespace) -> bool:
     """Whether a VACE flag (``--control-video``, ``--mask``, ``--reference-image``) was given."""
-    return any(getattr(args, name) for name in ("control_video", "mask", "reference_image"))
+    return any(getattr(args, name) for name in VACE_INPUTS)
 
 
 def check_input_files(args: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .cli_checks import SIZE_MULTIPLE, TEMPORAL_FACTOR, UsageError, read_media, read_model_json
+from .cli_checks import CONDITIONED_INPUTS, SIZE_MULTIPLE, TEMPORAL_FACTOR, UsageError, read_media, read_model_json
 
 if TYPE_CHECKING:
     import torch
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 DEFAULT_STRENGTH = 0.7
 TINY_CHUNK_LAYOUT = {"chunk_size": 3, "independent_first_frame": False}  # fastgen_diffusers.testing's tiny student
 # `--input-video` restyles a video: these flags condition generation another way and are refused with it.
-OTHER_INPUTS = ("image", "video", "control_video", "mask", "reference_image")
+OTHER_INPUTS = CONDITIONED_INPUTS
 
 
 def add_input_video_arguments(parser: argparse.ArgumentParser) -> None:

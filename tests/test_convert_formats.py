@@ -527,6 +527,14 @@ def test_converted_rolling_forcing_samples_with_the_rolling_window_by_default(wa
             {"kv_cache_policy": "rolling", "attention_window": 12, "sink_frames": 3},
             "keeps its first chunk as the sink",
         ),
+        # every default call would refuse these (the stored policy settings fill what a call leaves out)
+        ({"context_frames": 3}, "needs `kv_cache_policy='recompute'`"),
+        ({"kv_cache_policy": "recompute", "context_frames": 0}, "must be a positive number"),
+        ({"kv_cache_policy": "recompute", "context_frames": 3, "attention_window": 9}, "bounds the cache itself"),
+        (
+            {"kv_cache_policy": "rolling", "attention_window": 12, "rope_positions": "window"},
+            "positions its keys itself",
+        ),
     ],
 )
 def test_stored_settings_the_pipelines_would_refuse_are_refused(overrides, match):

@@ -111,6 +111,26 @@ class SamplingSettings:
                 f"one schedule: `sink_frames`, `context_noise` and `first_chunk_timesteps` must be unset, got "
                 f"{self.sink_frames}, {self.context_noise}, {self.first_chunk_timesteps}."
             )
+        # the policies' rules (pipelines/policy_recompute.py, policy_rolling.py), restated: a stored combination every
+        # call of the converted model would refuse
+        if self.context_frames is not None and (
+            self.kv_cache_policy != "recompute" or isinstance(self.context_frames, bool) or self.context_frames < 1
+        ):
+            raise ValueError(
+                f"`context_frames` must be a positive number of latent frames and needs `kv_cache_policy='recompute'`"
+                f", got {self.context_frames!r} under {self.kv_cache_policy!r}."
+            )
+        if self.kv_cache_policy == "recompute" and self.attention_window is not None:
+            raise ValueError(
+                "`kv_cache_policy='recompute'` bounds the cache itself: it cannot be stored with an `attention_window`"
+                f" (got {self.attention_window})."
+            )
+        positioned = self.rope_positions != "absolute" or self.sink_update != "fixed"
+        if self.kv_cache_policy in ("recompute", "rolling") and positioned:
+            raise ValueError(
+                f"`kv_cache_policy={self.kv_cache_policy!r}` positions its keys itself: `rope_positions` must be "
+                f"'absolute' and `sink_update` 'fixed', got {self.rope_positions!r} / {self.sink_update!r}."
+            )
         if not 0.01 <= self.kv_cache_attention_bias <= 1:  # the pipelines' range (pipelines/policy_recompute.py)
             raise ValueError(f"`kv_cache_attention_bias` must be in [0.01, 1], got {self.kv_cache_attention_bias}.")
         # the engines' rule (kv_cache.base.check_rope_and_sink_settings), restated: this table imports no torch

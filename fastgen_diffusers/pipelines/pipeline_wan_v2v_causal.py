@@ -233,9 +233,8 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             attention_kwargs=options.attention_kwargs,
             keep_history=history_to_keep(False, options.recache and bool(switches)),
             prompt_transition_chunks=options.prompt_transition_chunks,
+            kv_cache_attention_bias=options.kv_cache_attention_bias,
         )
-        # the KV-cache attention bias of every denoising forward, whatever the policy (a recompute policy sets its own)
-        session.attention_bias = float(options.kv_cache_attention_bias or 1.0)
         return RolloutRun(self, session, plan, source, options, switches, 0, self.select_policy(options))
 
     @exclusive_rollout("pipe(...)")

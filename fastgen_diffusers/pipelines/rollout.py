@@ -252,10 +252,8 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         check_window_fits_chunks(options.attention_window, options.sink_frames, bounds)
         check_sink_update_fits_chunks(options.attention_window, options.sink_frames, options.sink_update, bounds)
         check_prompt_schedule(self, prompt_schedule, bounds, shape.num_reference_frames)
-        num_levels = len(
-            self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)["sigmas"]
-        )
-        rolling = self.check_rolling_rollout(options, bounds, num_levels)
+        schedule = self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)
+        rolling = self.check_rolling_rollout(options, bounds, len(schedule["sigmas"]))
 
         # 2. Encode input prompt
         device = self._execution_device
@@ -268,8 +266,7 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         # its conditioning)
         conditioner = self.prepare_conditioner(options, shape, batch_size, device)
 
-        # 4. Prepare timesteps (set on the scheduler again at every chunk) and latent variables
-        schedule = self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)
+        # 4. Prepare timesteps (`schedule`, set on the scheduler again at every chunk) and latent variables
         first_schedule = None
         if options.first_chunk_timesteps is not None:
             first_schedule = self.rollout_schedule(1, timesteps=options.first_chunk_timesteps)
@@ -304,10 +301,8 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
             keep_history=history_to_keep(options.keep_cache, options.recache and bool(switches)),
             num_reference_frames=refs,
             prompt_transition_chunks=options.prompt_transition_chunks,
+            kv_cache_attention_bias=options.kv_cache_attention_bias,
         )
-        # the KV-cache attention bias of every denoising forward, whatever the policy and window (a recompute policy
-        # sets its own)
-        session.attention_bias = float(options.kv_cache_attention_bias or 1.0)
         policy = rolling or self.select_policy(options)
         return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
 
@@ -326,9 +321,12 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         keep_history: bool | str = True,
         num_reference_frames: int = 0,
         prompt_transition_chunks: int = 0,
+        kv_cache_attention_bias: float | None = None,
     ) -> RolloutSession:
-        """A new [`RolloutSession`] on this pipeline's transformer."""
-        return RolloutSession(
+        """A new [`RolloutSession`] on this pipeline's transformer. ``kv_cache_attention_bias``: the KV-cache attention
+        bias of every denoising forward, whatever the policy and window (``None``: 1, off; a recompute policy sets its
+        own)."""
+        session = RolloutSession(
             self.transformer,
             conditioner,
             prompt_embeds=prompt_embeds,
@@ -344,6 +342,8 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
             num_reference_frames=num_reference_frames,
             prompt_transition_chunks=prompt_transition_chunks or 0,
         )
+        session.attention_bias = 1.0 if kv_cache_attention_bias is None else float(kv_cache_attention_bias)
+        return session
 
     @exclusive_rollout("pipe(...)")
     def generate(self, options: RolloutOptions) -> WanPipelineOutput | tuple:

@@ -250,8 +250,10 @@ class RolloutSession:
         whose frames the window has all evicted ([`recache_chunks`] never returns them again, as a window only
         moves forward). ``keep_history="recache"`` drops those chunks; ``True`` drops only their cache inputs and
         keeps their latents (the kept rollout's video). Nothing is dropped without a window."""
+        if not self.keep_history:  # nothing held (a stream's session): no engine to ask, chunk after chunk
+            return
         held = self._held_from()
-        if held is None or not self.keep_history:
+        if held is None:
             return
         sink, evicted_before = held
         if self.keep_history == "recache":
