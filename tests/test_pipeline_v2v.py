@@ -69,15 +69,6 @@ def test_strength_zero_returns_the_input_latents(pipe):
     assert torch.equal(_latents(pipe, frames, strength=0.2), _encoded(pipe, frames))  # int(4 * 0.2) = 0 steps
 
 
-def test_attention_bias_applies_under_the_default_policy(pipe):
-    """``kv_cache_attention_bias`` biases the restyle's denoising forwards under the sequential video-to-video policy
-    too (not only under recompute); 1 is no bias, exactly."""
-    frames = _frames()
-    base = _latents(pipe, frames)
-    assert not torch.equal(_latents(pipe, frames, kv_cache_attention_bias=0.3), base)
-    assert torch.equal(_latents(pipe, frames, kv_cache_attention_bias=1.0), base)
-
-
 @pytest.mark.parametrize("kwargs", [{}, {"context_noise": 100.0, "timesteps": [1000.0, 750.0, 500.0, 250.0]}])
 def test_strength_one_is_text_to_video_with_that_noise(pipe, components, kwargs):
     t2v = WanCausalPipeline(**components)
