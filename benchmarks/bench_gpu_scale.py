@@ -53,13 +53,13 @@ from fastgen_diffusers import WanCausalTransformer3DModel, expected_self_cache_b
 from fastgen_diffusers.chunking import ChunkPlan
 from fastgen_diffusers.convert.formats import warp_timesteps
 from fastgen_diffusers.kv_cache import expected_scale_bytes
-from fastgen_diffusers.pipelines.conditioning import Conditioner
-from fastgen_diffusers.pipelines.policy import SequentialPolicy
-from fastgen_diffusers.pipelines.policy_recompute import RecomputePolicy
-from fastgen_diffusers.pipelines.policy_rolling import ANCHOR_POSITIONS, RollingPolicy
-from fastgen_diffusers.pipelines.rollout import CausalRolloutMixin
-from fastgen_diffusers.pipelines.session import RolloutSession
-from fastgen_diffusers.pipelines.sources import NoiseSource
+from fastgen_diffusers.pipelines.rollout.conditioning import Conditioner
+from fastgen_diffusers.pipelines.rollout.core import CausalRolloutMixin
+from fastgen_diffusers.pipelines.rollout.policy import SequentialPolicy
+from fastgen_diffusers.pipelines.rollout.policy_recompute import RecomputePolicy
+from fastgen_diffusers.pipelines.rollout.policy_rolling import ANCHOR_POSITIONS, RollingPolicy
+from fastgen_diffusers.pipelines.rollout.session import RolloutSession
+from fastgen_diffusers.pipelines.rollout.sources import NoiseSource
 from fastgen_diffusers.testing import PolicyHost
 
 WAN_1_3B = {

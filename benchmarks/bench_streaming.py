@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from fastgen_diffusers.pipelines.streaming_decode import StreamingWanDecoder
+from fastgen_diffusers.pipelines.video_io.streaming_decode import StreamingWanDecoder
 from fastgen_diffusers.testing import tiny_pipeline
 
 

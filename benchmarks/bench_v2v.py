@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fastgen_diffusers import WanCausalVideoToVideoPipeline
-from fastgen_diffusers.pipelines.streaming_encode import StreamingWanEncoder
+from fastgen_diffusers.pipelines.video_io.streaming_encode import StreamingWanEncoder
 from fastgen_diffusers.testing import tiny_components
 
 

@@ -22,6 +22,7 @@ _EXPORTS = {
     "VanillaKVCacheEngine": ".kv_cache",
     "expected_self_cache_bytes": ".kv_cache",
     "make_engines": ".kv_cache",
+    "AutoencoderTinyWan": ".models",
     "VACEHintCache": ".models",
     "WanCausalTransformer3DModel": ".models",
     "WanCausalVACETransformer3DModel": ".models",
@@ -36,6 +37,7 @@ _EXPORTS = {
     "causal_transformer_from_wan": ".pipelines",
     "causal_transformer_from_wan_vace": ".pipelines",
     "wan_transformer_from_causal": ".pipelines",
+    "RolloutSettings": ".settings",
     "WanCausalAttnProcessor": ".processors",
     "WanCausalCrossAttnProcessor": ".processors",
 }
@@ -44,12 +46,14 @@ _EXPORTS = {
 _LOADER_NAMES = {"ModelMixin": "diffusers.models.modeling_utils"}
 
 __all__ = [
+    "AutoencoderTinyWan",
     "BaseKVCacheEngine",
     "CausalContext",
     "CausalRolloutMixin",
     "ChunkOutput",
     "KVCacheEngine",
     "MotionAwareStrength",
+    "RolloutSettings",
     "StaticKVCacheEngine",
     "VACEHintCache",
     "VanillaKVCacheEngine",
@@ -101,7 +105,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         expected_self_cache_bytes,
         make_engines,
     )
-    from .models import VACEHintCache, WanCausalTransformer3DModel, WanCausalVACETransformer3DModel
+    from .models import AutoencoderTinyWan, VACEHintCache, WanCausalTransformer3DModel, WanCausalVACETransformer3DModel
     from .pipelines import (
         CausalRolloutMixin,
         ChunkOutput,

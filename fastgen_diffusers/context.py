@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,9 @@ class CausalContext:
             checked by every engine against what it holds.
         query_positions: temporal RoPE positions of the call's frames when the engines store keys before RoPE (set
             by the model from the engines' ``key_positions``); ``None``: absolute frames.
+        block_inputs: per branch of ``cache_engines``, what the model prepared for each block's attention in this
+            forward (``BlockAttentionInputs`` of :mod:`~fastgen_diffusers.processors.attention`, by block index), read
+            by the processors through :meth:`prepared_inputs` / :meth:`at_block`.
     """
 
     cache_engines: Mapping[str, BaseKVCacheEngine]
@@ -58,13 +61,19 @@ class CausalContext:
     attention_bias: float = 1.0
     attention_window: AttentionWindow | None = None
     query_positions: tuple[int, ...] | None = None
+    block_inputs: Mapping[str, Sequence[Any]] = field(default_factory=dict)
 
     @property
     def is_multi_chunk(self) -> bool:
         return len(self.chunk_layout) > 1
 
     def resolve_registered_engine(self, attn: nn.Module) -> BaseKVCacheEngine:
-        """The engine that registered ``attn``; an unregistered module is an error, never a guess."""
+        """The engine that registered ``attn``; an unregistered module is an error, never a guess.
+
+        Ownership is the mark each engine's registration leaves on its modules, shared by every module of a branch:
+        a compiled block that resolves its module guards on the branch, not on the module, so one graph serves every
+        block of the branch.
+        """
         for engine in self.cache_engines.values():
             if engine.owns(attn):
                 return engine
@@ -72,6 +81,23 @@ class CausalContext:
             f"No KV-cache engine registered this {type(attn).__name__} (branches: {sorted(self.cache_engines)}). "
             "Attach engines with `transformer.set_kv_cache_engines(...)`, which registers the modules each owns."
         )
+
+    def prepared_inputs(self, engine: BaseKVCacheEngine, attn: nn.Module) -> Any:
+        """What the model prepared for the attention of ``attn``'s block in ``engine`` (its block index through
+        ``engine``)."""
+        for name, candidate in self.cache_engines.items():
+            if candidate is engine:
+                return self.block_inputs[name][engine.block_index(attn)]
+        raise RuntimeError(f"This forward has no engine {engine!r} (branches: {sorted(self.cache_engines)}).")
+
+    def at_block(self, block_idx: int) -> CausalBlockView:
+        """The view of this forward that the blocks of index ``block_idx`` (of every branch) hand their processors."""
+        entries = tuple(
+            (engine, self.block_inputs[name][block_idx])
+            for name, engine in self.cache_engines.items()
+            if block_idx < len(self.block_inputs.get(name, ()))
+        )
+        return CausalBlockView(self, block_idx, entries)
 
     def cross_mode(self, engine: BaseKVCacheEngine) -> CrossKVMode:
         return self.cross_modes.get(id(engine), CrossKVMode.COMPUTE)
@@ -156,3 +182,43 @@ class CausalContext:
             biased,
             math.log(self.attention_bias),
         )
+
+
+@dataclass(frozen=True, eq=False)
+class CausalBlockView:
+    """One block index's view of a forward's :class:`CausalContext`: what a causal block hands its processors.
+
+    A processor resolves its engine with :meth:`resolve_registered_engine` (the context's, for the module it runs
+    for) and reads that engine's inputs with :meth:`prepared_inputs`. The view holds, per engine, the inputs prepared
+    for its blocks of index ``block_idx`` (``blocks[i]`` of ``"main"`` and ``vace_blocks[i]`` of ``"vace"`` share a
+    view; each processor picks its own engine's). Eager, the module's block index is looked up through the engine and
+    must be the view's; traced code skips that lookup, so that a compiled block keys on its branch's engine and not
+    on its module, and one graph serves every block.
+
+    Attributes:
+        context: the forward's context.
+        block_idx: the branch-local block index this view serves.
+        entries: ``(engine, prepared inputs)`` of the engines that have a block ``block_idx``.
+    """
+
+    context: CausalContext
+    block_idx: int
+    entries: tuple[tuple[BaseKVCacheEngine, Any], ...]
+
+    def resolve_registered_engine(self, attn: nn.Module) -> BaseKVCacheEngine:
+        """:meth:`CausalContext.resolve_registered_engine` of the forward."""
+        return self.context.resolve_registered_engine(attn)
+
+    def prepared_inputs(self, engine: BaseKVCacheEngine, attn: nn.Module) -> Any:
+        """The inputs prepared for ``attn``'s block in ``engine``."""
+        if not torch.compiler.is_compiling():
+            block_idx = engine.block_index(attn)
+            if block_idx != self.block_idx:
+                raise RuntimeError(
+                    f"{type(attn).__name__} is block {block_idx} of its engine, but runs with the view of block "
+                    f"{self.block_idx}: run each block with `causal_context=context.at_block(its index)`."
+                )
+        for owner, inputs in self.entries:
+            if owner is engine:
+                return inputs
+        raise RuntimeError(f"Block {self.block_idx} has no attention inputs prepared for {engine!r}.")

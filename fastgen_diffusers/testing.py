@@ -8,13 +8,14 @@ components exercise is the full path (tokenize, encode, causal rollout, decode, 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
-from .models import WanCausalTransformer3DModel, WanCausalVACETransformer3DModel
+from .models import AutoencoderTinyWan, WanCausalTransformer3DModel, WanCausalVACETransformer3DModel
 from .pipelines import WanCausalPipeline, WanCausalVACEPipeline
 
 TINY_TEXT_DIM = 32
@@ -75,6 +76,38 @@ def tiny_vae(seed: int = 0) -> AutoencoderKLWan:
         return AutoencoderKLWan(
             base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
         ).eval()
+
+
+def taehv_released_state_dict(
+    latent_channels: int = 16, patch_size: int = 1, seed: int = 0, oversized_first_unfold: bool = False
+) -> dict[str, torch.Tensor]:
+    """Seeded random weights for a TAEHV-family checkpoint in its released key layout (``encoder.{i}.*``,
+    ``decoder.{i}.*``; ``taew2_1``: 16 channels, patch 1; ``taew2_2``: 48, patch 2), as ``tests/data/taehv_tiny`` was
+    recorded with: key by key in sorted order from one ``torch.Generator(seed)``, ``randn * sqrt(1 / fan_in)`` for
+    weights, ``randn * 0.1`` for biases (+ 0.4 for the last decoder conv's, so frames sit inside [0, 1]).
+    ``oversized_first_unfold``: the first decoder frame unfold carries 2 frames' channels, as upstream tolerates."""
+    with torch.device("meta"):  # shapes only
+        model = AutoencoderTinyWan(
+            latent_channels=latent_channels, patch_size=patch_size, scale_factor_spatial=8 * patch_size
+        )
+    shapes = {key.replace(".layers.", ".", 1): tuple(v.shape) for key, v in model.state_dict().items()}
+    if oversized_first_unfold:
+        channels_out, channels_in = shapes["decoder.7.conv.weight"][:2]
+        shapes["decoder.7.conv.weight"] = (2 * channels_out, channels_in, 1, 1)
+    generator = torch.Generator().manual_seed(seed)
+    state_dict = {}
+    for key in sorted(shapes):
+        value = torch.randn(shapes[key], generator=generator, dtype=torch.float32)
+        if key.endswith(".bias"):
+            state_dict[key] = value * 0.1 + (0.4 if key == "decoder.22.bias" else 0.0)
+        else:
+            state_dict[key] = value * math.sqrt(1.0 / math.prod(shapes[key][1:]))
+    return state_dict
+
+
+def tiny_taehv(seed: int = 0) -> AutoencoderTinyWan:
+    """A random-weight [`AutoencoderTinyWan`] for Wan2.1 latents (16 channels; the architecture has fixed widths)."""
+    return AutoencoderTinyWan.from_released_state_dict(taehv_released_state_dict(seed=seed))
 
 
 def tiny_transformer(seed: int = 0, **overrides) -> WanCausalTransformer3DModel:

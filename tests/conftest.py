@@ -20,6 +20,13 @@ TINY_WAN_CONFIG = {
 }
 
 
+def block_self_inputs(block, args):
+    """The self-attention inputs the model prepared for ``block`` in a forward (from the block's forward-pre-hook
+    ``args``, whose last item is its :class:`CausalBlockView`), found the way its processor finds them."""
+    view = args[-1]
+    return view.prepared_inputs(view.resolve_registered_engine(block.attn1), block.attn1).self_attn
+
+
 def make_causal_transformer(seed: int = 0, **overrides):
     """A tiny random causal Wan transformer with a non-degenerate output head (head_dim 32: RoPE split 12/10/10)."""
     from fastgen_diffusers import WanCausalTransformer3DModel

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch._dynamo
-from conftest import make_causal_transformer
+from conftest import block_self_inputs, make_causal_transformer
 from torch._dynamo.utils import counters
 
 from fastgen_diffusers import StaticKVCacheEngine, VanillaKVCacheEngine
@@ -59,7 +59,9 @@ def recorded_call(model, data, start, frames, monkeypatch, bias=BIAS):
         return out
 
     monkeypatch.setattr(attention_module, "masked_attention", recording)
-    handle = model.blocks[0].register_forward_pre_hook(lambda module, args: given.append(args[-1].self_attn))
+    handle = model.blocks[0].register_forward_pre_hook(
+        lambda module, args: given.append(block_self_inputs(module, args))
+    )
     try:
         x = latents[:, :, start : start + frames]
         out = model(x, torch.tensor([TIMESTEPS[1]]), text, start_frame=start, kv_cache_attention_bias=bias)[0]
@@ -223,7 +225,9 @@ def test_cache_passes_and_calls_with_nothing_to_bias_build_no_mask(data, monkeyp
     model.set_kv_cache_engines({"main": StaticKVCacheEngine(16)})
     _, first, _ = recorded_call(model, data, 0, CHUNK, monkeypatch)  # nothing cached
     given = []
-    handle = model.blocks[0].register_forward_pre_hook(lambda module, args: given.append(args[-1].self_attn))
+    handle = model.blocks[0].register_forward_pre_hook(
+        lambda module, args: given.append(block_self_inputs(module, args))
+    )
     model(latents[:, :, :2], torch.tensor([0.0]), text, start_frame=0, store_kv=True, kv_cache_attention_bias=BIAS)
     handle.remove()
     _, after_two, _ = recorded_call(model, data, 2, CHUNK, monkeypatch)  # frames 0 (the anchor) and 1 cached
@@ -369,7 +373,7 @@ def test_windowed_sequential_rollout_takes_the_bias_on_its_denoising_forwards_on
 def test_cli_takes_the_bias_with_any_policy():
     import argparse
 
-    from fastgen_diffusers.cli_checks import UsageError, check_kv_cache_policy
+    from fastgen_diffusers.cli.checks import UsageError, check_kv_cache_policy
 
     def args(**kwargs):
         base = {"kv_cache_policy": None, "context_frames": None, "attention_window": 6, "sink_frames": 1}

@@ -137,3 +137,31 @@ def test_older_benchmarks_run_in_a_small_mode(name, capsys):
     if name == "bench_vace":  # K = 1 refreshes the hints every step: exactly the exact rollout
         rows = {line.split()[0]: line.split() for line in printed.splitlines() if line.strip()}
         assert rows["exact"][-2:] == rows["1"][-2:] == ["0.00e+00", "0.00e+00"]
+
+
+def test_end_to_end_benchmark_runs_in_its_tiny_cpu_mode(capsys):
+    """The plan, then one line per decoder with every stage, the totals and the shares (which add up to 100%)."""
+    module = load_benchmark("bench_end_to_end")
+    module.main(["--scale", "tiny", "--device", "cpu", "--repeats", "1", "--warmups", "0"])
+    printed = capsys.readouterr().out
+    assert "FAILED" not in printed
+    assert printed.startswith("memory plan (tiny, float32 weights, sequential,") and "  total: " in printed
+    rows = [line for line in printed.splitlines() if line.startswith(("[wan vae, serial]", "[tiny decoder, serial]"))]
+    assert len(rows) == 2
+    for row in rows:
+        assert " 21 frames in " in row and "(2 chunks)" in row and "first frame after" in row
+        shares = row.split("shares: ")[1].split(" (median")[0]
+        total = sum(float(part.split()[1].rstrip("%")) for part in shares.split(", "))
+        assert abs(total - 100) < 0.5
+
+
+def test_serve_benchmark_runs_in_a_small_mode(capsys):
+    """bench_serve: one client against ``stream()``, two clients, and the JPEG cost, one line each."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("websockets")
+    module = load_benchmark("bench_serve")
+    argv = ["--num-frames", "9", "--height", "32", "--width", "32", "--steps", "1", "--repeats", "1", "--clients", "2"]
+    results = module.main(argv)
+    printed = capsys.readouterr().out
+    assert "x stream(), time to first frame" in printed and "serve, 2 clients:" in printed
+    assert results["serve_fps"] > 0 and results["stream_fps"] > 0 and results["jpeg_encode_ms"] > 0

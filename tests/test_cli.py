@@ -8,7 +8,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
-from fastgen_diffusers import cli
+from fastgen_diffusers.cli import app as cli
 from fastgen_diffusers.testing import tiny_pipeline
 
 
@@ -235,7 +235,7 @@ def test_every_forwarded_option_is_taken_by_its_pipeline_or_refused_before_loadi
     import imageio
 
     from fastgen_diffusers import pipelines
-    from fastgen_diffusers.cli_checks import UsageError, check_generate_arguments
+    from fastgen_diffusers.cli.checks import UsageError, check_generate_arguments
 
     imageio.imwrite(tmp_path / "frame.png", np.zeros((32, 32, 3), dtype=np.uint8))
     imageio.mimwrite(tmp_path / "clip.gif", [np.zeros((32, 32, 3), dtype=np.uint8)] * 21)
@@ -264,3 +264,52 @@ def test_every_forwarded_option_is_taken_by_its_pipeline_or_refused_before_loadi
         assert taken == list(FORWARDED_FLAGS)
     else:
         assert set(taken) == set(FORWARDED_FLAGS) - {"kv_cache_policy", "context_frames", "keep_first_frame"}
+
+
+def test_the_attention_bias_reaches_image_to_video_and_changes_its_frames(tmp_path, monkeypatch):
+    """``--kv-cache-attention-bias`` with ``--image``: the image-to-video pipeline applies the bias (as the T2V, VACE
+    and V2V pipelines do), so the CLI passes it on rather than refusing it; the frames differ from an unbiased run."""
+    import imageio
+
+    from fastgen_diffusers.pipelines import WanCausalImageToVideoPipeline
+
+    imageio.imwrite(tmp_path / "frame.png", np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    seen = []
+    call = WanCausalImageToVideoPipeline.__call__
+
+    def recording(self, *args, **kwargs):
+        output = call(self, *args, **kwargs)
+        seen.append((kwargs.get("kv_cache_attention_bias"), output.frames))
+        return output
+
+    monkeypatch.setattr(WanCausalImageToVideoPipeline, "__call__", recording)
+    # 29 frames: the tiny I2V student's chunks (1, 4, 3); the last sees cached frames other than the first
+    argv = ["generate", "--prompt", "a fox", "--image", str(tmp_path / "frame.png"), "--num-frames", "29"]
+    argv += ["--height", "32", "--width", "32", "--steps", "1", "--output", str(tmp_path / "o.mp4")]
+    assert cli.main([*argv, "--kv-cache-attention-bias", "0.5"]) == 0
+    assert cli.main(argv) == 0
+    (bias, biased), (none, plain) = seen
+    assert (bias, none) == (0.5, None)
+    # latent frames 0-4 (pixel frames 0-16) see no biased frame; the last chunk's do (the tiny VAE shrinks the change)
+    assert np.array_equal(biased[:, :17], plain[:, :17])
+    assert np.abs(biased[:, 17:] - plain[:, 17:]).max() > 1e-6
+
+
+def test_the_cli_knows_the_tiny_models_chunk_layouts():
+    """The pre-load layout checks read the tiny models' chunking from ``cli.common`` (the model modules stay
+    unimported there): it must be what ``fastgen_diffusers.testing`` builds."""
+    from fastgen_diffusers.cli.common import TINY_I2V_LAYOUT, TINY_LAYOUT
+    from fastgen_diffusers.cli.i2v import load_i2v_pipeline
+    from fastgen_diffusers.testing import tiny_vace_pipeline
+
+    args = cli.build_parser().parse_args(["generate", "--prompt", "a fox", "--image", "x.png"])
+    for layout, transformer in (
+        (TINY_LAYOUT, tiny_pipeline().transformer),
+        (TINY_LAYOUT, tiny_vace_pipeline().transformer),
+        (TINY_I2V_LAYOUT, load_i2v_pipeline(args, None).transformer),
+    ):
+        config = transformer.config
+        assert {name: config[name] for name in layout if name != "t2v_student"} == {
+            name: value for name, value in layout.items() if name != "t2v_student"
+        }
+        assert layout["t2v_student"] == (config.in_channels == config.out_channels and config.image_dim is None)

@@ -19,8 +19,8 @@ import imageio
 import numpy as np
 import pytest
 
-from fastgen_diffusers import cli
-from fastgen_diffusers.cli_checks import VIDEO_EXTENSIONS
+from fastgen_diffusers.cli import app as cli
+from fastgen_diffusers.cli.checks import VIDEO_EXTENSIONS
 
 pytestmark = pytest.mark.filterwarnings("ignore:The keyword `fps` is no longer supported:DeprecationWarning")
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,9 +101,16 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "krea_model": {"kv_cache_policy": "recompute", "context_frames": 3, "kv_cache_attention_bias": 0.3},
         "rolling_model": {"kv_cache_policy": "rolling"},
     }
+    stored["reward_chunk2_model"] = stored["reward_model"]  # the same settings on a student chunking by 2 frames
+    stored["rolling_4_steps_model"] = {**stored["rolling_model"], "timesteps": [1000.0, 750.0, 500.0, 250.0]}
+    chunk_sizes = {"reward_model": 3, "reward_chunk2_model": 2, "rolling_4_steps_model": 3}
     for name, settings in stored.items():
         (folder / name).mkdir()
         (folder / name / "model_index.json").write_text(json.dumps({"_class_name": "WanCausalPipeline", **settings}))
+        if name in chunk_sizes:  # the transformer config the CLI reads the chunk layout from
+            (folder / name / "transformer").mkdir()
+            config = {"_class_name": "WanCausalTransformer3DModel", "chunk_size": chunk_sizes[name]}
+            (folder / name / "transformer" / "config.json").write_text(json.dumps(config))
     return {path.name: str(path) for path in folder.iterdir()}
 
 
@@ -272,6 +279,68 @@ CASES = {
         2,
         "--prompt-switch at pixel frame 15 is past the video's 9 frames",
     ),
+    # What the pipeline would refuse about the rollout's chunks once loaded, found from the transformer's chunk layout
+    # (the tiny model's, or --model's transformer/config.json) and the stored settings before it loads.
+    "window smaller than a chunk": (["--attention-window", "2"], 2, "[0, 3) does not fit the attention window"),
+    "rolling with fewer chunks than steps": (
+        ["--kv-cache-policy", "rolling", "--num-frames", "9", "--steps", "4"],
+        2,
+        "needs at least as many chunks as denoising steps: 4 steps, 1 chunks",
+    ),
+    "stored rolling schedule with fewer chunks": (
+        ["--model", "{rolling_4_steps_model}", "--num-frames", "9"],
+        2,
+        "needs at least as many chunks as denoising steps: 4 steps, 1 chunks",
+    ),
+    "EMA sink 8/3": (
+        [
+            "--num-frames",
+            "45",
+            "--attention-window",
+            "8",
+            "--sink-frames",
+            "3",
+            "--sink-update",
+            "ema",
+            "--rope-positions",
+            "window",
+        ],
+        2,
+        "every eviction must remove exactly sink_frames=3 frames; the chunk at latent frame 6 evicts 1",
+    ),  # fmt: skip
+    "stored EMA sink on chunks of 2": (
+        ["--model", "{reward_chunk2_model}"],
+        2,
+        "every eviction must remove exactly sink_frames=3 frames",
+    ),
+    "switch past the last chunk": (["--prompt-switch", "17:a dog"], 2, "--prompt-switch 17: past the last chunk"),
+    "two switches in one chunk": (
+        ["--num-frames", "45", "--prompt-switch", "10:a dog", "--prompt-switch", "13:a cat"],
+        2,
+        "--prompt-switch 13: two prompt switches take effect at the same chunk (starting at pixel frame 21)",
+    ),
+    "frames past the RoPE table": (["--num-frames", "4101"], 2, "1026 latent frames run past the transformer's RoPE"),
+    "rolling past the RoPE table": (
+        ["--kv-cache-policy", "rolling", "--num-frames", "4101"],
+        2,
+        "1026 latent frames run past the transformer's RoPE table",
+    ),
+    "clip does not fill whole chunks": (
+        ["--video", "{clip9.gif}", "--num-frames", "13"],
+        2,
+        "--video encodes to 3 latent frames, which do not fill whole chunks of this rollout (chunks end at latent "
+        "frames [1, 4]",
+    ),
+    "image on a student without a first frame alone": (
+        ["--model", "{reward_model}", "--image", "{frame.png}"],
+        2,
+        "--image encodes to 1 latent frames, which do not fill whole chunks",
+    ),
+    "output folder cannot be created": (
+        ["--output", "{a_file}.d/" + "x" * 300 + "/video.mp4"],  # a folder name longer than file systems take
+        2,
+        "cannot create the folder",
+    ),
     "missing prompt": ([], 2, "the following arguments are required: --prompt"),  # GEN without --prompt, below
     "unknown dtype": (["--dtype", "float64"], 2, "argument --dtype: invalid choice: 'float64'"),
     "missing image": (["--image", "nope.png"], 2, "--image nope.png: no such file"),
@@ -337,6 +406,11 @@ CONTROLS = {
                                           "fixed"],
     "a stored recompute context": ["--model", "{krea_model}", "--kv-cache-policy", "recompute"],
     "a stored Reward Forcing cache": ["--model", "{reward_model}", "--attention-window", "12", "--sink-frames", "3"],
+    "a stored EMA sink on its chunks": ["--model", "{reward_model}"],
+    "a stored rolling schedule with enough chunks": ["--model", "{rolling_4_steps_model}", "--num-frames", "45"],
+    "video past the RoPE table with window positions": ["--num-frames", "4101", "--attention-window", "9",
+                                                        "--rope-positions", "window"],
+    "an output folder to create": ["--output", "new/folder/video.mp4"],
 }  # fmt: skip
 
 
@@ -455,9 +529,11 @@ def test_help_is_fast_and_imports_no_heavy_module(args, tmp_path):
     assert best < HELP_LIMIT_S * HELP_SLACK
 
 
-def test_pipeline_errors_are_one_line_with_status_1_and_debug_shows_the_traceback(tmp_path, capsys):
+def test_pipeline_errors_are_one_line_with_status_1_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
     """An error the pipeline finds after loading (here: a clip that does not fill whole chunks of the tiny I2V
-    student's [1, 3, 3, ...] layout) is one line too; ``--debug`` prints its traceback as well, same status."""
+    student's [1, 3, 3, ...] layout, with the CLI's pre-load layout check switched off) is one line too; ``--debug``
+    prints its traceback as well, same status."""
+    monkeypatch.setattr(cli, "check_rollout_layout", lambda args, given: None)
     clip = write_video(tmp_path / "clip9.gif", 9)
     args = [*GEN, "--video", str(clip), "--num-frames", "13", "--steps", "1", "--output", str(tmp_path / "o.mp4")]
     assert cli.main(args) == 1
@@ -526,8 +602,8 @@ def test_lazy_package_exports_every_public_name_without_importing_torch(tmp_path
 @pytest.mark.parametrize("guidance", [-1.0, 0.0, 1e-3, 0.5, 0.999, 1.0, 1.5, 7.0, float("nan"), float("inf")])
 def test_cli_and_pipelines_take_the_same_guidance_scales(guidance, tmp_path):
     """``--guidance-scale`` and ``guidance_scale=`` accept the same values: 0 or 1 (no guidance) or above 1."""
-    from fastgen_diffusers.cli_checks import UsageError, check_numbers
-    from fastgen_diffusers.pipelines.validation import validate_call_arguments
+    from fastgen_diffusers.cli.checks import UsageError, check_numbers
+    from fastgen_diffusers.pipelines.rollout.validation import validate_call_arguments
 
     args = cli.build_parser().parse_args(
         [*GEN, "--guidance-scale", str(guidance), "--output", str(tmp_path / "o.mp4")]
@@ -562,3 +638,12 @@ def test_guidance_scale_0_runs_as_1():
     zero = pipe(**call, guidance_scale=0.0, generator=torch.Generator().manual_seed(1)).frames
     one = pipe(**call, guidance_scale=1.0, generator=torch.Generator().manual_seed(1)).frames
     assert torch.equal(zero, one)
+
+
+def test_the_output_check_leaves_no_folder_behind(tmp_path):
+    """``--output`` under folders that do not exist yet: the check creates them to prove it can, then removes them
+    (the run makes them again once the video is written)."""
+    from fastgen_diffusers.cli.checks import check_output
+
+    check_output(tmp_path / "new" / "folder" / "video.mp4")
+    assert list(tmp_path.iterdir()) == []

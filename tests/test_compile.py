@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from conftest import make_causal_transformer
+from conftest import block_self_inputs, make_causal_transformer
 from torch._dynamo.utils import counters
 
 from fastgen_diffusers import StaticKVCacheEngine, VanillaKVCacheEngine
@@ -123,7 +123,8 @@ def test_one_block_traces_as_one_graph_in_store_and_read_paths(inputs, engine_ki
     assert len(calls) == 9
     # read (step 0: cross K/V computed; chunk 1: read) and store (chunk 0: cross fill; chunk 1: read) calls
     for args in (calls[0], calls[2], calls[3], calls[5]):
-        args[-1].self_attn.load()  # a gathered prefix is dropped after its block ran; gather it again
+        # a gathered prefix is dropped after its block ran; gather it again
+        block_self_inputs(model.blocks[0], args).load()
         explanation = torch._dynamo.explain(model.blocks[0])(*args)
         assert explanation.graph_break_count == 0, explanation.break_reasons
         assert explanation.graph_count == 1
@@ -139,7 +140,7 @@ def test_static_block_reads_fixed_shapes_for_every_chunk(inputs):
     calls = block_calls(model, inputs, StaticKVCacheEngine(FRAMES), num_chunks=4)
     shapes = set()
     for args in calls:
-        self_attn = args[-1].self_attn
+        self_attn = block_self_inputs(model.blocks[0], args)
         assert self_attn.static
         shapes.add((self_attn.key_cache.shape, self_attn.write_index.shape))
         assert 0 in getattr(self_attn.valid_length, "_dynamo_weak_dynamic_indices", set())

@@ -124,7 +124,7 @@ def run_cli_v2v(out_dir: str, rank: int | None) -> dict:
     """``generate --input-video ... [--context-parallel ulysses]`` through ``cli.main``, as under torchrun on CPU ranks
     (``rank=None``: one process, no flag): the launch check and the set-up are the harness's (gloo, no CUDA);
     returns its exit status and the frames it would write (``None`` when it writes none)."""
-    from fastgen_diffusers import cli
+    from fastgen_diffusers.cli import app as cli
     from fastgen_diffusers.parallel import ContextParallelSetup
 
     argv = ["generate", "--prompt", "a fox", "--input-video", str(Path(out_dir) / "input.gif"), "--strength", "0.6"]
@@ -139,7 +139,7 @@ def run_cli_v2v(out_dir: str, rank: int | None) -> dict:
         return ContextParallelSetup(rank, WORLD, torch.device("cpu"), rank == 0)
 
     with (
-        mock.patch("fastgen_diffusers.cli_checks.check_context_parallel_launch"),
+        mock.patch("fastgen_diffusers.cli.checks.check_context_parallel_launch"),
         mock.patch("fastgen_diffusers.parallel.setup_context_parallel", setup),
         mock.patch("diffusers.utils.export_to_video", lambda frames, path, fps: written.append(np.stack(frames))),
     ):

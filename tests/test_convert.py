@@ -203,6 +203,7 @@ def test_unknown_missing_and_misshaped_keys_are_listed(base_dir, layout):
     assert "1 key(s) that map to no parameter" in message and "blocks.0.extra_gate.weight" in message
     assert "1 parameter(s) of the base transformer missing" in message and "blocks.1.norm2.bias" in message
     assert "blocks.0.ffn.net.0.proj.weight: checkpoint (32, 64), base config expects (64, 64)" in message
+    assert "\n" not in message  # the CLI prints it as one line
 
 
 def test_fastgen_training_heads_are_dropped_but_other_extras_fail(base_dir):
@@ -317,7 +318,8 @@ def test_converted_self_forcing_directory_loads_and_generates(wan_base, tmp_path
     card = (result.output / "README.md").read_text()
     meta = _front_matter(card)
     assert meta["library_name"] == "diffusers" and meta["pipeline_tag"] == "text-to-video"
-    assert meta["base_model"] == "org/wan-tiny" and "self-forcing" in meta["tags"] and "license" not in meta
+    assert meta["base_model"] == "org/wan-tiny" and "self-forcing" in meta["tags"]
+    assert meta["license"] == "other" and meta["license_link"] == "https://github.com/guandeh17/Self-Forcing"
     assert "self_forcing_dmd.pt" in card and "`generator_ema`" in card and "937.5" in card
     assert "pip install fastgen-diffusers" in card and "WanCausalPipeline.from_pretrained" in card
     assert "(https://huggingface.co/org/wan-tiny)" in card
@@ -410,7 +412,7 @@ def test_cli_convert(wan_base, tmp_path, capsys):
     model_index = json.loads((tmp_path / "o4" / "model_index.json").read_text())
     assert (model_index["kv_cache_policy"], model_index["context_frames"]) == ("recompute", 2)
     args = parser.parse_args([*argv[:-1], str(tmp_path / "o5"), "--sink-update", "ema"])  # no window, no sink
-    with pytest.raises(SystemExit, match="^error: `sink_update='ema'` needs `sink_frames` > 0"):
+    with pytest.raises(SystemExit, match="^error: `sink_update='ema'` averages evicted frames into the sink"):
         args.func(args)
     assert not (tmp_path / "o5").exists()
 
@@ -419,7 +421,7 @@ def test_names_of_the_single_module_converter_still_import():
     import fastgen_diffusers.convert as convert
 
     names = [
-        "FORMATS", "DEFAULT_SAMPLING", "SamplingSettings", "warp_timesteps", "load_checkpoint_safely",
+        "FORMATS", "DEFAULT_SAMPLING", "StudentSettings", "warp_timesteps", "load_checkpoint_safely",
         "DetectedCheckpoint", "detect_format", "original_to_diffusers_state_dict", "to_diffusers_state_dict",
         "check_state_dict", "ConversionResult", "build_transformer", "convert_checkpoint", "model_card",
         "add_convert_subparser", "run_convert", "CheckpointConversionError", "UnsafeCheckpointError",
@@ -435,7 +437,8 @@ def test_the_card_notes_sampling_json_only_when_a_setting_is_left_there(tmp_path
     from fastgen_diffusers.convert.result import ConversionResult
 
     row = get_format("self-forcing")
-    settings = row.sampling if not pending else dataclasses.replace(row.sampling, kv_cache_policy="recompute")
+    recompute = {"kv_cache_policy": "recompute", "context_frames": 3}
+    settings = row.sampling if not pending else dataclasses.replace(row.sampling, **recompute)
     applied = tuple(key for key in settings.as_dict() if key not in pending)
     result = ConversionResult(tmp_path, row.name, "generator_ema", "found", settings, applied, pending)
     checkpoint = tmp_path / "model.pt"
@@ -444,3 +447,32 @@ def test_the_card_notes_sampling_json_only_when_a_setting_is_left_there(tmp_path
     assert ("Settings marked `sampling.json`" in card) == bool(pending)
     assert ("`sampling.json` (policy pending)" in card) == bool(pending)
     assert "\n\n\n" not in card.split("## Sampling settings")[1].split("## License")[0]  # no gap left by the note
+
+
+def test_generate_on_a_converted_causvid_directory_samples_its_stored_schedule(wan_base, tmp_path, monkeypatch):
+    """``fastgen-diffusers generate`` without ``--steps`` samples the schedule the converter stored (CausVid's 1000,
+    757, 522), as ``pipe(prompt)`` does: three denoising forwards per chunk at those timesteps."""
+    from fastgen_diffusers.cli import main
+    from fastgen_diffusers.convert import convert_checkpoint
+    from fastgen_diffusers.models import WanCausalTransformer3DModel
+
+    checkpoint = tmp_path / "causvid.pt"
+    torch.save({"generator": original_state_dict(_student())}, checkpoint)
+    output = tmp_path / "causvid"
+    convert_checkpoint(checkpoint, base=wan_base, output=output, format="causvid", base_model_id="org/wan-tiny")
+    calls = []
+    forward = WanCausalTransformer3DModel.forward
+
+    def recording(self, hidden_states, timestep, *args, **kwargs):
+        calls.append((kwargs.get("start_frame", 0), kwargs.get("store_kv", False), timestep.flatten()[0].item()))
+        return forward(self, hidden_states, timestep, *args, **kwargs)
+
+    monkeypatch.setattr(WanCausalTransformer3DModel, "forward", recording)
+    argv = ["generate", "--prompt", "a cat", "--model", str(output), "--output", str(tmp_path / "cat.mp4")]
+    assert main([*argv, "--num-frames", "21", "--height", "16", "--width", "16", "--device", "cpu"]) == 0
+    denoising = {}
+    for start, store, timestep in calls:
+        if not store:
+            denoising.setdefault(start, []).append(round(timestep, 3))
+    assert denoising == {0: [1000.0, 757.0, 522.0], 3: [1000.0, 757.0, 522.0]}
+    assert [start for start, store, _ in calls if store] == [0]  # the last chunk is not cached: nothing follows it

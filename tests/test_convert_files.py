@@ -158,10 +158,17 @@ def test_cli_errors_are_one_line_without_a_traceback(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_cli_dtypes_are_what_the_converter_writes():
+    from fastgen_diffusers.cli.convert import DTYPES
+    from fastgen_diffusers.convert.core import DTYPE_NAMES
+
+    assert sorted(DTYPES) == sorted(DTYPE_NAMES)
+
+
 def test_cli_names_empty_and_foreign_files(wan_base, tmp_path):  # noqa: F811
     import argparse
 
-    from fastgen_diffusers.cli_convert import add_convert_subparser
+    from fastgen_diffusers.cli.convert import add_convert_subparser
 
     parser = argparse.ArgumentParser(prog="fastgen-diffusers")
     add_convert_subparser(parser.add_subparsers(dest="command", required=True))
@@ -182,11 +189,90 @@ def test_cli_names_empty_and_foreign_files(wan_base, tmp_path):  # noqa: F811
     assert not (tmp_path / "out").exists()
 
 
-def test_local_base_needs_a_hub_id_for_the_card(wan_base, tmp_path):  # noqa: F811
+def test_a_local_base_without_a_hub_id_converts_with_a_valid_card_without_base_model(wan_base, tmp_path, caplog):  # noqa: F811
+    """No Hub id is needed to convert: the card leaves out ``base_model``, a warning says how to add it, and the front
+    matter is valid Hub metadata (``huggingface_hub.ModelCard`` parses it); with an id the card names it."""
+    from huggingface_hub import ModelCard
+
     checkpoint = tmp_path / "self_forcing_dmd.pt"
     torch.save({"generator": _weights()}, checkpoint)
-    with pytest.raises(ValueError, match="--base-model-id"):
-        convert_checkpoint(checkpoint, base=wan_base, output=tmp_path / "out")
+    result = convert_checkpoint(checkpoint, base=wan_base, output=tmp_path / "out")
+    assert "no --base-model-id was given" in caplog.text and "Add `base_model: <hub id>`" in caplog.text
+    data = ModelCard((result.output / "README.md").read_text()).data.to_dict()
+    assert "base_model" not in data and data["library_name"] == "diffusers" and "self-forcing" in data["tags"]
+    assert data["pipeline_tag"] == "text-to-video"
+    named = convert_checkpoint(checkpoint, base=wan_base, output=tmp_path / "named", base_model_id="org/wan-tiny")
+    assert ModelCard((named.output / "README.md").read_text()).data.base_model == "org/wan-tiny"
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_float8_weights_are_written_and_read_back_bit_for_bit(wan_base, tmp_path, dtype):  # noqa: F811
+    """``dtype="float8_e4m3fn" | "float8_e5m2"`` writes safetensors ``F8_E4M3`` / ``F8_E5M2`` shards holding exactly
+    the cast weights; a float8 checkpoint converts as it is (its dtype kept)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from fastgen_diffusers.convert import original_to_diffusers_state_dict
+
+    weights = _weights()
+    expected = {
+        name: value.to(getattr(torch, dtype)) for name, value in original_to_diffusers_state_dict(weights).items()
+    }
+    (tmp_path / "cast").mkdir()
+    (tmp_path / "stored").mkdir()
+    cast = _convert(tmp_path / "cast", wan_base, weights, dtype=dtype)
+    stored = _convert(tmp_path / "stored", wan_base, {k: v.to(getattr(torch, dtype)) for k, v in weights.items()})
+    code = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}[dtype]
+    for result in (cast, stored):
+        (shard,) = result.shards
+        path = result.output / "transformer" / shard
+        header = json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])
+        assert {entry["dtype"] for key, entry in header.items() if key != "__metadata__"} == {code}
+        written = load_file(str(path))
+        assert sorted(written) == sorted(expected)
+        for name, value in expected.items():
+            assert written[name].dtype == value.dtype and torch.equal(
+                written[name].view(torch.uint8), value.view(torch.uint8)
+            )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dtype": "int8"}, "`dtype` must be one of"),
+        ({"dtype": "float8_e4m3fnuz"}, "`dtype` must be one of"),
+        ({"max_shard_size": "5XB"}, "`max_shard_size` must be"),
+        ({"lora_alpha": float("nan"), "lora": "lora.pt"}, "`lora_alpha` must be a positive finite number"),
+        ({"attention_window": 2, "sink_frames": 3}, "sink_frames"),
+        ({"base": "no_vae"}, "has no VAE in its model_index.json"),
+        ({"base": "no_tokenizer_folder"}, "lists `tokenizer` but has no tokenizer/ folder"),
+    ],
+)
+def test_every_argument_check_runs_before_the_first_shard(wan_base, tmp_path, monkeypatch, kwargs, match):  # noqa: F811
+    """A bad argument or base is refused before any shard is written (the shard writer is never called)."""
+    import json
+    import shutil
+
+    import fastgen_diffusers.convert.core as core
+
+    def no_shards(*args, **kwargs):
+        raise AssertionError("a shard was written before the argument check")
+
+    monkeypatch.setattr(core, "write_sharded_safetensors", no_shards)
+    base = kwargs.pop("base", None)
+    if base is not None:  # a copy of the tiny base with a component missing
+        shutil.copytree(wan_base, tmp_path / base)
+        index = json.loads((tmp_path / base / "model_index.json").read_text())
+        if base == "no_vae":
+            index["vae"] = [None, None]
+        else:
+            shutil.rmtree(tmp_path / base / "tokenizer")
+        (tmp_path / base / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=match) as error:
+        _convert(tmp_path, tmp_path / base if base else wan_base, _weights(), **kwargs)
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_convert_benchmark_runs_on_a_small_forty_layer_checkpoint(tmp_path, capsys):

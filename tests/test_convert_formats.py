@@ -217,6 +217,15 @@ def test_auto_says_what_it_found_and_why(tmp_path):
     assert "FSDP/compile wrapper segments" in detected.description and "file name matches" in detected.description
     unnamed = detect_format(CONTAINERS["rolling-forcing"][1], path="downloads/student.pt")
     assert unnamed.format == "self-forcing" and "pass --format to pick another of" in unnamed.description
+    # a bare causal_forcing.pt is taken as the chunk-wise release, and the description says the frame-wise one has the
+    # same file name; under its release folder it is not ambiguous
+    bare = detect_format(CONTAINERS["causal-forcing"][1], path="downloads/causal_forcing.pt")
+    assert bare.format == "causal-forcing"
+    assert "framewise/causal_forcing.pt, has the same file name: pass --format causal-forcing-framewise" in (
+        bare.description
+    )
+    chunkwise = detect_format(CONTAINERS["causal-forcing"][1], path="chunkwise/causal_forcing.pt")
+    assert chunkwise.format == "causal-forcing" and "same file name" not in chunkwise.description
     sdv2 = detect_format({"state_dict": unprefixed(original_state_dict(EMA))}, path="x/model.pt")
     assert sdv2.format == "streamdiffusionv2" and sdv2.select() == "state_dict"
     longlive2 = detect_format({"model": original_state_dict(EMA)}, "longlive")
@@ -518,18 +527,19 @@ def test_converted_rolling_forcing_samples_with_the_rolling_window_by_default(wa
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"kv_cache_attention_bias": 0.005}, "must be in \\[0.01, 1\\]"),  # what every pipeline call would refuse
-        ({"kv_cache_attention_bias": float("nan")}, "must be in \\[0.01, 1\\]"),
-        ({"sink_decay": 1.0}, "`sink_decay` must be in \\(0, 1\\)"),
-        ({"sink_update": "ema"}, "needs `sink_frames` > 0 and `rope_positions='window'`"),
-        ({"rope_positions": "window"}, "needs an `attention_window`"),
+        # what every pipeline call would refuse
+        ({"kv_cache_attention_bias": 0.005}, "must be a number in \\[0.01, 1\\]"),
+        ({"kv_cache_attention_bias": float("nan")}, "must be a number in \\[0.01, 1\\]"),
+        ({"sink_decay": 1.0}, "`sink_decay` must be a number in \\(0, 1\\)"),
+        ({"sink_update": "ema"}, "averages evicted frames into the sink: set `sink_frames` > 0"),
+        ({"rope_positions": "window"}, "set `attention_window` as well"),
         (
             {"kv_cache_policy": "rolling", "attention_window": 12, "sink_frames": 3},
             "keeps its first chunk as the sink",
         ),
         # every default call would refuse these (the stored policy settings fill what a call leaves out)
         ({"context_frames": 3}, "needs `kv_cache_policy='recompute'`"),
-        ({"kv_cache_policy": "recompute", "context_frames": 0}, "must be a positive number"),
+        ({"kv_cache_policy": "recompute", "context_frames": 0}, "`context_frames` must be >= 1"),
         ({"kv_cache_policy": "recompute", "context_frames": 3, "attention_window": 9}, "bounds the cache itself"),
         (
             {"kv_cache_policy": "rolling", "attention_window": 12, "rope_positions": "window"},

@@ -49,19 +49,20 @@ def test_without_trust_remote_code_diffusers_says_what_to_pass(converted):
         DiffusionPipeline.from_pretrained(converted)
 
 
-def test_the_model_card_call_works(converted):
+def test_the_model_card_snippets_run_as_written(converted):
+    """Both loading snippets of the card run as printed (up to the GPU move): the pipeline in bfloat16, the VAE in
+    float32 as the CLI keeps it, and the front matter names a license."""
     card = (converted / "README.md").read_text()
-    code = re.search(r"```python\n(.*?)```", card, flags=re.S).group(1)
-    call = next(line for line in code.splitlines() if "DiffusionPipeline.from_pretrained(" in line)
-    assert call == (
-        f'pipe = DiffusionPipeline.from_pretrained("{REPO_PLACEHOLDER}", trust_remote_code=True, dtype=torch.bfloat16)'
-    )
-    namespace = {}
-    exec(
-        "import torch\nfrom diffusers import DiffusionPipeline\n" + call.replace(REPO_PLACEHOLDER, str(converted)),
-        namespace,
-    )
-    assert type(namespace["pipe"]) is WanCausalPipeline and namespace["pipe"].transformer.dtype == torch.bfloat16
+    assert re.search(r"^license: other$", card, flags=re.M) and re.search(r"^license_link: https://", card, flags=re.M)
+    snippets = re.findall(r"```python\n(.*?)```", card, flags=re.S)
+    assert len(snippets) == 2
+    for code in snippets:
+        code = code.split('pipe.to("cuda")')[0].replace(REPO_PLACEHOLDER, str(converted))
+        namespace = {}
+        exec(code, namespace)  # each snippet imports what it uses
+        pipe = namespace["pipe"]
+        assert type(pipe) is WanCausalPipeline and pipe.transformer.dtype == torch.bfloat16
+        assert pipe.vae.dtype == torch.float32
 
 
 def _i2v():

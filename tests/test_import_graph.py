@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import fastgen_diffusers
@@ -73,8 +74,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_walk_sees_the_rollout_layers():
     graph = import_graph()
-    assert "fastgen_diffusers.pipelines.session" in graph["fastgen_diffusers.pipelines.policy"]
-    assert "fastgen_diffusers.pipelines.rollout" in graph["fastgen_diffusers.pipelines.live"]
+    assert "fastgen_diffusers.pipelines.rollout.session" in graph["fastgen_diffusers.pipelines.rollout.policy"]
+    assert "fastgen_diffusers.pipelines.rollout.core" in graph["fastgen_diffusers.pipelines.rollout.live"]
 
 
 def test_no_import_cycle_inside_the_package():
@@ -83,5 +84,28 @@ def test_no_import_cycle_inside_the_package():
 
 def test_the_pipelines_rollout_core_does_not_import_the_live_layer():
     graph = import_graph()
-    assert "fastgen_diffusers.pipelines.live" not in graph["fastgen_diffusers.pipelines.rollout"]
+    assert "fastgen_diffusers.pipelines.rollout.live" not in graph["fastgen_diffusers.pipelines.rollout.core"]
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]  # the walk finds a cycle when there is one
+
+
+def _external_imports(path: Path) -> set[str]:
+    """Top-level names of the absolute imports of a module (every statement, functions included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_settings_are_torch_free_and_import_only_themselves():
+    """`fastgen_diffusers.settings` imports the standard library and its own modules, nothing else: the CLI, the
+    converter and the server ask it before (or without) any model module."""
+    graph = import_graph()
+    settings = {module for module in graph if module.startswith("fastgen_diffusers.settings")}
+    assert len(settings) >= 7
+    for module in settings:
+        assert all(target.startswith("fastgen_diffusers.settings") for target in graph[module]), module
+    for path in (PACKAGE / "settings").glob("*.py"):
+        assert _external_imports(path) <= set(sys.stdlib_module_names) | {"__future__"}, path.name

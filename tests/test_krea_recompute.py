@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 
 from fastgen_diffusers import WanCausalTransformer3DModel
 from fastgen_diffusers.chunking import ChunkPlan
-from fastgen_diffusers.pipelines.conditioning import Conditioner
-from fastgen_diffusers.pipelines.policy_recompute import RecomputePolicy
-from fastgen_diffusers.pipelines.session import RolloutSession
-from fastgen_diffusers.pipelines.sources import NoiseSource
+from fastgen_diffusers.pipelines.rollout.conditioning import Conditioner
+from fastgen_diffusers.pipelines.rollout.policy_recompute import RecomputePolicy
+from fastgen_diffusers.pipelines.rollout.session import RolloutSession
+from fastgen_diffusers.pipelines.rollout.sources import NoiseSource
 from fastgen_diffusers.testing import PolicyHost, tiny_pipeline
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "krea_tiny"
@@ -296,7 +296,7 @@ def test_bad_recompute_arguments_raise(pipe, kwargs, message):
 def test_stored_config_defaults(pipe):
     """A pipeline config holding the recompute settings (a converted Krea student) fills what a call leaves out."""
     from fastgen_diffusers import WanCausalPipeline
-    from fastgen_diffusers.pipelines.options import RolloutOptions
+    from fastgen_diffusers.pipelines.rollout.options import RolloutOptions
 
     stored = {"kv_cache_policy": "recompute", "context_frames": 3, "kv_cache_attention_bias": 0.3}
     host = WanCausalPipeline(**pipe.components, **stored)

@@ -323,7 +323,7 @@ def test_biased_free_run_through_the_pipeline_matches_biased_nopad(reference, kr
 def test_free_run_frames_are_decoded_once_and_equal_a_decode_of_the_latents(reference, krea_pipe):
     """The frames `pipe(...)` returns under recompute are the policy's streamed decodes, equal to decoding the
     latents; no second decode of the video runs."""
-    from fastgen_diffusers.pipelines import streaming_decode
+    from fastgen_diffusers.pipelines.video_io import streaming_decode
 
     latents = free_run(reference, krea_pipe, 1.0)[0]
     decodes, decode = [], streaming_decode.StreamingWanDecoder.decode

@@ -322,7 +322,7 @@ def test_stream_takes_kv_cache_dtype_and_matches_the_call():
 def test_cli_kv_cache_dtype_reaches_the_pipeline(tmp_path, monkeypatch):
     from fastgen_diffusers.pipelines import WanCausalPipeline
 
-    assert cli.KV_CACHE_DTYPES == KV_CACHE_DTYPE_NAMES
+    assert cli.app.KV_CACHE_DTYPES == KV_CACHE_DTYPE_NAMES
     seen = []
     call = WanCausalPipeline.__call__
 

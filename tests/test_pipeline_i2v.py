@@ -19,7 +19,7 @@ from diffusers import AutoencoderKLWan
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
 from fastgen_diffusers import WanCausalImageToVideoPipeline
-from fastgen_diffusers.cli_i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
+from fastgen_diffusers.cli.i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
 from fastgen_diffusers.kv_cache import CrossKVMode
 from fastgen_diffusers.pipelines import GivenFramesConditioner, detect_i2v_layout
 from fastgen_diffusers.testing import tiny_scheduler, tiny_text_encoder, tiny_tokenizer, tiny_transformer, tiny_vae

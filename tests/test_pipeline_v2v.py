@@ -9,8 +9,9 @@ import torch
 from diffusers import AutoencoderKLWan
 
 from fastgen_diffusers import MotionAwareStrength, WanCausalPipeline, WanCausalVideoToVideoPipeline
-from fastgen_diffusers.pipelines import VideoToVideoOptions, video_source
-from fastgen_diffusers.pipelines.streaming_encode import normalize_latents
+from fastgen_diffusers.pipelines import VideoToVideoOptions
+from fastgen_diffusers.pipelines.video_io import video_source
+from fastgen_diffusers.pipelines.video_io.streaming_encode import normalize_latents
 from fastgen_diffusers.testing import tiny_components, tiny_transformer
 
 SIZE = 32
@@ -190,6 +191,16 @@ def _rgba(frames):
         ({"latents": torch.zeros(1, 16, 5, 4, 4)}, "`latents` must be noise of shape \\(1, 16, 6, 4, 4\\)"),
         ({"output_type": "gif"}, "`output_type` must be one of"),
         ({"attention_window": 2}, "does not fit the attention window"),
+        (  # an iterator's chunk layout is known before its frames: the 4th chunk's eviction (3 frames != sink 1)
+            {
+                "video": iter(_frames(45)),
+                "attention_window": 8,
+                "sink_frames": 1,
+                "sink_update": "ema",
+                "rope_positions": "window",
+            },
+            "the chunk at latent frame 9 evicts 3",
+        ),
     ],
 )
 def test_bad_inputs_are_refused_before_any_model_work(pipe, change, message):

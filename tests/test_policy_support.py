@@ -19,7 +19,7 @@ from fastgen_diffusers import (
     WanCausalVACEPipeline,
     WanCausalVideoToVideoPipeline,
 )
-from fastgen_diffusers.pipelines.options import RolloutOptions
+from fastgen_diffusers.pipelines.rollout.options import RolloutOptions
 from fastgen_diffusers.testing import tiny_components, tiny_transformer, tiny_vace_pipeline
 
 I2V_CALL = {"prompt": "a cat", "num_frames": 21, "num_inference_steps": 1, "output_type": "latent"}

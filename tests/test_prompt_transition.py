@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastgen_diffusers.pipelines.session import PromptTransition
+from fastgen_diffusers.pipelines.rollout.session import PromptTransition
 from fastgen_diffusers.testing import TINY_TEXT_DIM, tiny_pipeline
 
 # 45 pixel frames = 12 latent frames = 4 chunks of 3, starting at pixel frames 0, 9, 21, 33
@@ -119,6 +119,22 @@ def test_a_continuation_blends_its_new_prompt(pipe, policy):
         pipe.discard_rollout()
     chunks = used[:: CALL["num_inference_steps"]]
     assert [torch.equal(u, e) for u, e in zip(chunks, [blend(A, B, 0.5), B])] == [True, True]
+
+
+def test_a_continuation_whose_prompt_cannot_be_blended_is_refused_before_any_forward(pipe):
+    """A kept rollout with ``prompt_transition_chunks=2`` and a new prompt of another token count: the ``__call__``
+    error before any forward, the rollout still kept and continuable."""
+    run(pipe, {0: A}, keep_cache=True, prompt_transition_chunks=2, num_frames=21)
+    calls, forward = [], pipe.transformer.forward
+    pipe.transformer.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    try:
+        with pytest.raises(ValueError, match="`prompt_transition_chunks=2` blends prompt embeddings"):
+            pipe.continue_rollout(12, prompt_embeds=embeds(4)[:, :5], output_type="latent")
+        assert calls == []
+        assert pipe.continue_rollout(12, prompt_embeds=B, output_type="latent").frames.shape[2] == 9
+    finally:
+        del pipe.transformer.forward
+        pipe.discard_rollout()
 
 
 def test_transition_weights():

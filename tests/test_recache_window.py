@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fastgen_diffusers.pipelines import RolloutOptions
-from fastgen_diffusers.pipelines import session as session_module
+from fastgen_diffusers.pipelines.rollout import session as session_module
 from fastgen_diffusers.testing import tiny_pipeline
 
 # 24 latent frames in 8 chunks of 3 (chunk k starts at latent frame 3k, pixel frame 12k - 3); window 9 = 3 chunks.
@@ -234,3 +234,24 @@ def test_a_kept_windowed_rollout_drops_only_the_evicted_cache_inputs(monkeypatch
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def test_a_recache_under_an_ema_sink_is_refused_before_any_forward(pipe):
+    """The EMA sink holds the frames that left the window, folded in; a recache cannot rebuild them (re-running the
+    sink's chunk drops them: a switch to the same prompt moved the next chunk by 1e-2), so it is refused, in a call
+    and in a continuation, before any forward."""
+    ema = {**WINDOW, "rope_positions": "window", "sink_update": "ema", "sink_decay": 0.9}
+    calls, forward = [], pipe.transformer.forward
+    pipe.transformer.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    try:
+        with pytest.raises(ValueError, match="`recache=True` cannot run under `sink_update='ema'`"):
+            pipe(**CALL, **ema, prompt_embeds={0: _embeds(0), 57: _embeds(0)}, recache=True)
+        assert calls == []
+        pipe(**{**CALL, "num_frames": 45}, **ema, prompt_embeds=_embeds(0), keep_cache=True)
+        calls.clear()
+        with pytest.raises(ValueError, match="`recache=True` cannot run under `sink_update='ema'`"):
+            pipe.continue_rollout(12, prompt_embeds=_embeds(0), recache=True, output_type="latent")
+        assert calls == []
+    finally:
+        del pipe.transformer.forward
+        pipe.discard_rollout()

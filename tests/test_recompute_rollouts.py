@@ -89,7 +89,7 @@ def test_latent_output_decodes_only_the_chunks_a_reencode_reads(pipe, num_frames
     """With ``output_type="latent"`` (and no kept rollout) a chunk is decoded only when a later re-encode reads its
     frames: none in 2 chunks (the anchor never leaves the context), not the last one otherwise (before: every chunk).
     The latents equal those of a run that outputs frames (which decodes every chunk)."""
-    from fastgen_diffusers.pipelines import streaming_decode
+    from fastgen_diffusers.pipelines.video_io import streaming_decode
 
     options = {**CALL, **RECOMPUTE, "num_frames": num_frames}
     expected = [c.latents for c in pipe.stream(generator=torch.Generator().manual_seed(0), **options)]

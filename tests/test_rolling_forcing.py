@@ -21,11 +21,11 @@ from safetensors.torch import load_file
 from fastgen_diffusers import WanCausalTransformer3DModel
 from fastgen_diffusers.chunking import ChunkPlan
 from fastgen_diffusers.kv_cache import AttentionWindow, make_engines
-from fastgen_diffusers.pipelines.conditioning import Conditioner
-from fastgen_diffusers.pipelines.policy_rolling import RollingPolicy, rolling_windows
-from fastgen_diffusers.pipelines.rollout import CausalRolloutMixin
-from fastgen_diffusers.pipelines.session import RolloutSession
-from fastgen_diffusers.pipelines.sources import NoiseSource
+from fastgen_diffusers.pipelines.rollout.conditioning import Conditioner
+from fastgen_diffusers.pipelines.rollout.core import CausalRolloutMixin
+from fastgen_diffusers.pipelines.rollout.policy_rolling import RollingPolicy, rolling_windows
+from fastgen_diffusers.pipelines.rollout.session import RolloutSession
+from fastgen_diffusers.pipelines.rollout.sources import NoiseSource
 from fastgen_diffusers.testing import PolicyHost, tiny_pipeline
 
 ROLLING = Path(__file__).resolve().parent / "data" / "rolling_forcing_tiny"
@@ -272,7 +272,7 @@ def test_rolling_checks_engines_it_did_not_configure(pipe):
 
 def test_stored_rolling_policy_serves_text_to_video_only(pipe):
     from fastgen_diffusers import WanCausalPipeline
-    from fastgen_diffusers.pipelines.options import RolloutOptions
+    from fastgen_diffusers.pipelines.rollout.options import RolloutOptions
 
     stored = WanCausalPipeline(**{**pipe.components, "kv_cache_policy": "rolling"})
     stored.set_progress_bar_config(disable=True)

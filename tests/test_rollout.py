@@ -10,7 +10,7 @@ from test_pipeline_i2v import SIZE, make_pipeline
 
 from fastgen_diffusers.kv_cache import StaticKVCacheEngine, VanillaKVCacheEngine
 from fastgen_diffusers.pipelines import RolloutOptions
-from fastgen_diffusers.pipelines.rollout import check_window_fits_chunks
+from fastgen_diffusers.settings import CacheSettings
 from fastgen_diffusers.testing import tiny_pipeline, tiny_vace_pipeline
 
 PROMPT = "a red fox runs through fresh snow"
@@ -161,8 +161,8 @@ def test_stored_window_settings_are_defaults_that_calls_override():
 
 # ---------------------------------------------------------------------------------------------- the window rule
 def test_the_pipeline_and_the_engines_accept_the_same_chunk_layouts():
-    """The drifted case ([0, 3) with sink 3 and window 4) and every small layout: the pipeline's check and both
-    engines' call checks agree."""
+    """The drifted case ([0, 3) with sink 3 and window 4) and every small layout: the pipeline's check (the call's
+    cache settings) and both engines' call checks agree."""
     model = make_pipeline("t2v-student").transformer
     for window in range(1, 7):
         for sink in range(window):
@@ -170,7 +170,7 @@ def test_the_pipeline_and_the_engines_accept_the_same_chunk_layouts():
                 for size in range(1, 4):
                     bounds = [(0, first), (first, first + size)]
                     try:
-                        check_window_fits_chunks(window, sink, bounds)
+                        CacheSettings(attention_window=window, sink_frames=sink).check_chunks(bounds)
                         pipeline_accepts = True
                     except ValueError:
                         pipeline_accepts = False
@@ -182,7 +182,7 @@ def test_the_pipeline_and_the_engines_accept_the_same_chunk_layouts():
                         except ValueError:
                             engine_accepts = False
                         assert engine_accepts == pipeline_accepts, (window, sink, bounds)
-    check_window_fits_chunks(4, 3, [(0, 3)])  # the drifted case is accepted
+    CacheSettings(attention_window=4, sink_frames=3).check_chunks([(0, 3)])  # the drifted case is accepted
     del model
 
 

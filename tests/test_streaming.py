@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan
 
-from fastgen_diffusers.pipelines.streaming_decode import StreamingWanDecoder
+from fastgen_diffusers.pipelines.video_io.streaming_decode import StreamingWanDecoder
 from fastgen_diffusers.testing import tiny_pipeline
 
 CALL = {"prompt": "a cat", "height": 16, "width": 16, "num_frames": 21, "num_inference_steps": 2}

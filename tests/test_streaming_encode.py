@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan
 
-from fastgen_diffusers.pipelines.streaming_encode import StreamingWanEncoder, normalize_latents
+from fastgen_diffusers.pipelines.video_io.streaming_encode import StreamingWanEncoder, normalize_latents
 
 WAN21 = {}
 # Wan2.2-style: residual blocks and a 2x2 patchified input (patchify before the encoder).

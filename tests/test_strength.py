@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import WanVideoToVideoPipeline
 
-from fastgen_diffusers.pipelines.strength import (
+from fastgen_diffusers.pipelines.rollout.strength import (
     MotionAwareStrength,
     StrengthSchedule,
     first_kept_step,

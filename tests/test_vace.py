@@ -407,3 +407,24 @@ def test_stream_leaves_the_reference_frames_out_and_releases_the_control():
     assert live_conditioners(VACEConditioner) == 1 and pipe.rollout_branches == []
     stream.close()
     assert live_conditioners(VACEConditioner) == 0
+
+
+@torch.no_grad()
+def test_a_time_varying_mask_conditions_each_chunk_by_its_own_frames():
+    """keep(21 frames) + continue(24) == one 45-frame call, with a mask that changes in time: a chunk's control is
+    made from its own frames (diffusers resamples the whole mask over the call, so the first chunks of a 21- and a
+    45-frame call differed by 0.43)."""
+    from fastgen_diffusers.testing import tiny_vace_pipeline
+
+    pipe = tiny_vace_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    mask = [PIL.Image.new("L", (32, 32), 255 * (i % 2)) for i in range(45)]  # odd frames generated, even kept
+    noise = randn(1, 16, 12, 4, 4, seed=7)
+    common = {"video": frames(45, size=32), "mask": mask, "prompt_embeds": randn(1, 8, 32, seed=5)}
+    common.update(height=32, width=32, num_inference_steps=1, output_type="latent")
+    whole = pipe(**common, num_frames=45, latents=noise).frames
+    pipe(**common, num_frames=21, latents=noise[:, :, :6], keep_cache=True)
+    continued = pipe.continue_rollout(24, latents=noise[:, :, 6:], output_type="latent").frames
+    pipe.discard_rollout()
+    assert continued.shape == whole.shape == (1, 16, 12, 4, 4)
+    assert torch.equal(continued, whole)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from fastgen_diffusers.pipelines.streaming_encode import StreamingWanEncoder, normalize_latents
-from fastgen_diffusers.pipelines.strength import MotionAwareStrength, StrengthSchedule
-from fastgen_diffusers.pipelines.video_latents import VideoToVideoSource
-from fastgen_diffusers.pipelines.video_source import VideoChunker
+from fastgen_diffusers.pipelines.rollout.strength import MotionAwareStrength, StrengthSchedule
+from fastgen_diffusers.pipelines.rollout.video_latents import VideoToVideoSource
+from fastgen_diffusers.pipelines.video_io.streaming_encode import StreamingWanEncoder, normalize_latents
+from fastgen_diffusers.pipelines.video_io.video_source import VideoChunker
 from fastgen_diffusers.testing import tiny_scheduler, tiny_vae
 
 SIZE = 64

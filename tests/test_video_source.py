@@ -7,8 +7,8 @@ import PIL.Image
 import pytest
 import torch
 
-from fastgen_diffusers.pipelines import video_source
-from fastgen_diffusers.pipelines.video_source import VideoChunker, chunk_num_frames, frame_to_tensor
+from fastgen_diffusers.pipelines.video_io import video_source
+from fastgen_diffusers.pipelines.video_io.video_source import VideoChunker, chunk_num_frames, frame_to_tensor
 
 
 def _uint8_frames(num_frames: int, height: int = 16, width: int = 32) -> list[np.ndarray]:
@@ -124,6 +124,8 @@ def _rgba(frame):
         (lambda f: f.astype(np.float32), "floating point values in \\[0, 1\\], got \\[0, 255\\]"),
         (lambda f: torch.from_numpy(f).permute(2, 0, 1).float() / 127.5 - 1, "pass `\\(frame \\+ 1\\) / 2`"),
         (lambda f: f.tolist(), "frame 3 of `video` must be one of RGB PIL images"),
+        (lambda f: torch.empty(3, 16, 32, device="meta"), "frame 3 of `video` is a meta tensor"),
+        (lambda f: (torch.from_numpy(f).permute(2, 0, 1) / 255.0).to_sparse(), "frame 3 .* torch.sparse_coo tensor"),
     ],
 )
 @pytest.mark.parametrize("as_iterator", [False, True])
@@ -145,6 +147,23 @@ def test_bad_frame_late_in_a_stream_stops_before_its_chunk():
     assert next(stream).shape[2] == 9
     with pytest.raises(ValueError, match="frame 15 of `video`"):
         next(stream)
+
+
+def test_an_iterator_reusing_one_buffer_gives_the_chunks_of_a_list_of_copies():
+    """A camera reader yields one array that it overwrites with every frame: each frame is converted on arrival."""
+    frames = _uint8_frames(21)
+
+    def camera():
+        buffer = np.empty_like(frames[0])
+        for frame in frames:
+            buffer[...] = frame
+            yield buffer
+
+    reused = _chunks(camera(), chunk_latent_frames=3)
+    copies = _chunks([frame.copy() for frame in frames], chunk_latent_frames=3)
+    assert len(reused) == len(copies) == 2
+    for got, expected in zip(reused, copies):
+        assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize(

@@ -88,6 +88,30 @@ def test_windowed_cache_bytes_stay_flat(kind):
     assert engine.held_frames("pos") == 6 and engine.num_stored_frames("pos") == 80
 
 
+@pytest.mark.parametrize("kind", ["static", "vanilla"])
+def test_a_long_windowed_stream_keeps_a_bounded_list_of_chunk_starts(kind):
+    """3,000 chunks through the engine (no model): the tag keeps the chunk starts its window can still use (the
+    sink's chunk, the first after it, the held chunks), not one per chunk ever stored; the held chunks still serve a
+    redo and a truncation."""
+    engine = {"static": StaticKVCacheEngine, "vanilla": VanillaKVCacheEngine}[kind](window_frames=9, sink_frames=3)
+    block = torch.nn.Module()
+    block.attn1, block.attn2 = torch.nn.Identity(), torch.nn.Identity()
+    engine.register_blocks([block])
+    layout = {"batch_size": 1, "frame_seqlen": 1, "num_heads": 1, "head_dim": 2, "dtype": torch.float32}
+    kv = torch.ones(1, 3, 1, 2)
+    for index in range(3000):
+        start = 3 * index
+        engine.ensure_capacity("pos", **layout, device=torch.device("cpu"), text_len=1, max_frames=start + 3)
+        engine.begin_call("pos", start, 3)
+        engine.append_self_kv(0, "pos", kv, kv, start)
+        engine.commit_store("pos", start, 3)
+    state = engine.tag_state("pos")
+    assert state.num_frames == 9000 and state.chunk_starts == [0, 3, 8994, 8997]
+    engine.check_call("pos", start_frame=8997, chunk_layout=(3,), **layout, device=torch.device("cpu"))  # a redo
+    engine.truncate("pos", 8997)
+    assert engine.held_frames("pos") == 6 and state.chunk_starts == [0, 3, 8994]
+
+
 def test_visible_prefix_reflects_the_window():
     engine = StaticKVCacheEngine(window_frames=5, sink_frames=1)
     assert engine.visible_window(start_frame=10, first_chunk_frames=2) == (1, 8)

@@ -11,7 +11,7 @@ One package, one job per module:
 * :mod:`.card`: the model card.
 * :mod:`.core`: :func:`convert_checkpoint`, which puts them together.
 
-The command line (``fastgen-diffusers convert``) lives in :mod:`fastgen_diffusers.cli_convert`.
+The command line (``fastgen-diffusers convert``) lives in :mod:`fastgen_diffusers.cli.convert`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _SUBMODULE_OF = {
     "DEFAULT_SAMPLING": "formats",
     "FORMATS": "formats",
     "STUDENT_FORMATS": "formats",
-    "SamplingSettings": "formats",
+    "StudentSettings": "formats",
     "StudentFormat": "formats",
     "get_format": "formats",
     "warp_timesteps": "formats",
@@ -52,7 +52,7 @@ __all__ = [
     "CheckpointConversionError",
     "ConversionResult",
     "DetectedCheckpoint",
-    "SamplingSettings",
+    "StudentSettings",
     "StudentFormat",
     "UnsafeCheckpointError",
     "add_convert_subparser",
@@ -79,7 +79,7 @@ def __getattr__(name: str) -> Any:
         return value
     # The argparse front end moved next to the CLI; its names stay importable from here.
     if name in ("add_convert_subparser", "run_convert"):
-        from .. import cli_convert
+        from ..cli import convert as cli_convert
 
         return getattr(cli_convert, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -74,34 +74,6 @@ _STORED_IN = {"chunk_size": "transformer config", "independent_first_frame": "tr
 _STORED_IN["shift"] = "scheduler config"
 
 
-def _sampling_summary(settings: dict) -> str:
-    """One sentence on how the stored settings sample, beyond the step schedule (the cache policy, window, RoPE)."""
-    policy, window, sink = settings["kv_cache_policy"], settings["attention_window"], settings["sink_frames"]
-    if policy == "recompute":
-        bias = settings["kv_cache_attention_bias"]
-        text = (
-            f"KV recompute (Krea): before each chunk the cache is rebuilt over {settings['context_frames']} clean "
-            "context frames, so memory stays flat"
-        )
-        if bias != 1:
-            text += f", and cached frames other than the first get attention weight {_value(bias)}"
-        return text + "."
-    if policy == "rolling":
-        return (
-            f"a rolling window (Rolling Forcing): each forward denoises up to {len(settings['timesteps'])} chunks "
-            f"at staggered noise levels, attending to at most {window or 21} latent frames with the first chunk as "
-            "anchor."
-        )
-    if window is None:
-        return "chunk by chunk, every finished chunk cached (the cache grows with the video)."
-    text = f"chunk by chunk under a sliding window of {window} latent frames, the first {sink} kept as a sink"
-    if settings["rope_positions"] == "window":
-        text += "; cached keys are positioned by their slot in the window (no 1024-frame RoPE limit)"
-    if settings["sink_update"] == "ema":
-        text += f", and frames leaving the window are averaged into the sink (decay {_value(settings['sink_decay'])})"
-    return text + "."
-
-
 # The stored settings a `pipe(...)` call takes as arguments, in the order the card spells them out.
 _CALL_DEFAULTS = (
     "timesteps", "context_noise", "first_chunk_timesteps", "attention_window", "sink_frames", "kv_cache_policy",
@@ -115,7 +87,7 @@ def model_card(
     row: StudentFormat,
     checkpoint: Path,
     lora_file: str | os.PathLike | None,
-    base_model: str,
+    base_model: str | None,
     dtype: torch.dtype | None,
 ) -> str:
     """README.md: YAML front matter, install and the exact loading calls, sampling settings, provenance, license."""
@@ -127,14 +99,23 @@ def model_card(
             "---",
             "library_name: diffusers",
             "pipeline_tag: text-to-video",
-            f"base_model: {json.dumps(base_model)}",
+            *([f"base_model: {json.dumps(base_model)}"] if base_model else []),
             "tags:",
             *(f"- {tag}" for tag in tags),
-            "# license: set the license of the source checkpoint and of the base model",
+            # The weights carry the source checkpoint's license and the base model's (the card's License section).
+            "license: other",
+            f"license_name: {row.name}-source-checkpoint",
+            f"license_link: https://github.com/{row.project}",
             "---",
         ]
     )
+    base_source = (
+        f"[`{base_model}`](https://huggingface.co/{base_model})"
+        if base_model
+        else "a local Wan base pipeline (add its Hub id as `base_model` above)"
+    )
     settings = result.sampling.as_dict()
+    summary = result.sampling.rollout_settings().card_words()  # the policy's words (settings/policies.py)
     rows = "\n".join(
         f"| {_SETTING_DOCS[key]} | `{key}` | {_value(value)} | "
         + (
@@ -174,7 +155,7 @@ def model_card(
 A few-step, chunk-by-chunk (autoregressive, KV-cached) Wan text-to-video model converted from a {row.title}
 checkpoint ([{row.project}](https://github.com/{row.project})) with
 [fastgen-diffusers](https://pypi.org/project/fastgen-diffusers/). The text encoder, tokenizer, VAE and transformer
-config come from [`{base_model}`](https://huggingface.co/{base_model}).
+config come from {base_source}.
 
 ## Install
 
@@ -186,10 +167,11 @@ pip install fastgen-diffusers
 
 ```python
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import AutoencoderKLWan, DiffusionPipeline
 from diffusers.utils import export_to_video
 
-pipe = DiffusionPipeline.from_pretrained("{REPO_PLACEHOLDER}", trust_remote_code=True, dtype=torch.bfloat16)
+vae = AutoencoderKLWan.from_pretrained("{REPO_PLACEHOLDER}", subfolder="vae", dtype=torch.float32)
+pipe = DiffusionPipeline.from_pretrained("{REPO_PLACEHOLDER}", vae=vae, trust_remote_code=True, dtype=torch.bfloat16)
 pipe.to("cuda")
 video = pipe("A red fox runs through fresh snow, cinematic lighting").frames[0]
 export_to_video(video, "fox.mp4", fps=16)
@@ -197,15 +179,19 @@ export_to_video(video, "fox.mp4", fps=16)
 
 `trust_remote_code=True` is required by diffusers for any pipeline class outside its package: it lets diffusers
 import `{HUB_PIPELINE_MODULE}.py`, a one-line file that imports the class from the installed fastgen-diffusers
-package (no model code is shipped). Without it, load the class directly:
+package (no model code is shipped). The VAE stays in float32, as diffusers' Wan examples and the fastgen-diffusers
+CLI load it. Without remote code, load the class directly:
 
 ```python
+import torch
+from diffusers import AutoencoderKLWan
 from fastgen_diffusers import WanCausalPipeline
 
-pipe = WanCausalPipeline.from_pretrained("{REPO_PLACEHOLDER}", dtype=torch.bfloat16)
+vae = AutoencoderKLWan.from_pretrained("{REPO_PLACEHOLDER}", subfolder="vae", dtype=torch.float32)
+pipe = WanCausalPipeline.from_pretrained("{REPO_PLACEHOLDER}", vae=vae, dtype=torch.bfloat16)
 ```
 {lora_usage}
-`pipe(prompt)` samples with the settings below: {_sampling_summary(settings)} Every one can be overridden per call
+`pipe(prompt)` samples with the settings below: {summary} Every one can be overridden per call
 (`pipe(prompt, {defaults})` spells out the stored defaults).
 
 ## Sampling settings ({row.name})

@@ -20,7 +20,15 @@ from .formats import get_format
 from .loading import LazySafetensors, detect_format, load_checkpoint_safely, load_lora_state_dict
 from .mapping import CheckpointConversionError, check_state_dict, diffusers_key_map, lora_key_map, merge_lora
 from .result import ConversionResult
-from .writer import atomic_output_dir, copy_base_components, parse_size, resolve_base, write_sharded_safetensors
+from .writer import (
+    SAFETENSORS_DTYPES,
+    atomic_output_dir,
+    base_component_entries,
+    copy_base_components,
+    parse_size,
+    resolve_base,
+    write_sharded_safetensors,
+)
 
 __all__ = ["ConversionResult", "build_transformer", "convert_checkpoint"]
 
@@ -30,29 +38,32 @@ LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 SAMPLING_FILE = "sampling.json"
 # Settings that live in the transformer / scheduler configs rather than in model_index.json.
 _MODEL_SETTINGS = ("chunk_size", "independent_first_frame", "shift")
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-}
+# The dtypes `dtype` accepts: those a safetensors shard holds (float8 as F8_E4M3 / F8_E5M2).
+DTYPE_NAMES = tuple(str(dtype).removeprefix("torch.") for dtype in SAFETENSORS_DTYPES.values())
 
 
 def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    parsed = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(parsed, torch.dtype) or not parsed.is_floating_point:
-        raise ValueError(f"`dtype` must name a floating point torch dtype (e.g. 'bfloat16'), got {dtype!r}.")
+    if dtype is None:
+        return None
+    parsed = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."), None)
+    if parsed not in SAFETENSORS_DTYPES.values():
+        raise ValueError(f"`dtype` must be one of {DTYPE_NAMES} (what safetensors shards hold), got {dtype!r}.")
     return parsed
 
 
 def _source_shape_dtype(weights: Mapping, key: str) -> tuple[tuple[int, ...], torch.dtype | str]:
     if isinstance(weights, LazySafetensors):
         code = weights.dtype(key)
-        return weights.shape(key), _SAFETENSORS_DTYPES.get(code, code)
+        return weights.shape(key), SAFETENSORS_DTYPES.get(code, code)
     tensor = weights[key]
     return tuple(tensor.shape), tensor.dtype
+
+
+def _non_finite(tensor: torch.Tensor) -> int:
+    """How many NaN/Inf values ``tensor`` holds (float8 is counted in float32: torch has no ``isfinite`` for it)."""
+    if tensor.dtype.itemsize == 1:
+        tensor = tensor.float()
+    return int((~torch.isfinite(tensor)).sum())
 
 
 def _causal_config(base: str | os.PathLike, chunk_size: int | None, independent_first_frame: bool | None) -> dict:
@@ -137,11 +148,13 @@ def convert_checkpoint(
         output: Directory to write (must not exist or be empty); written beside it first and renamed at the end.
         format: ``"auto"`` or a row of the format table (``FORMATS``); picks the stored sampling settings.
         ema: ``None`` (what the project's loader takes), ``True``, ``False`` or the name of a weight copy.
-        dtype: Cast the transformer weights (``"bfloat16"``, ``torch.float16``, ...); default: keep the checkpoint's.
+        dtype: Cast the transformer weights (``"bfloat16"``, ``torch.float16``, ``"float8_e4m3fn"``, ...; see
+            ``DTYPE_NAMES``); default: keep the checkpoint's.
         chunk_size, timesteps, shift, context_noise, independent_first_frame, first_chunk_timesteps,
             attention_window, sink_frames, kv_cache_policy, context_frames, kv_cache_attention_bias, rope_positions,
-            sink_update, sink_decay: Override the format's settings (see [`SamplingSettings`]; ``None`` keeps it).
-        base_model_id: Hub id written as ``base_model`` in the model card (required when ``base`` is a local path).
+            sink_update, sink_decay: Override the format's settings (see [`StudentSettings`]; ``None`` keeps it).
+        base_model_id: Hub id written as ``base_model`` in the model card; default: ``base`` when it is a Hub id (or a
+            Hub cache snapshot). A local ``base`` without one gets a card without ``base_model``, with a warning.
         lora: A PEFT LoRA file (LongLive's ``lora.pt``) to merge, ``W + alpha / r * B @ A`` in float32.
         lora_alpha: LoRA alpha (default: the format's, e.g. 256 for LongLive, else the rank).
         keep_lora: Write the LoRA as ``pytorch_lora_weights.safetensors`` (diffusers naming) next to the pipeline for
@@ -159,8 +172,17 @@ def convert_checkpoint(
         raise FileExistsError(f"--output {str(output)!r} exists and is not an empty directory; pick a new one.")
     if keep_lora and lora is None:
         raise ValueError("`keep_lora` keeps the LoRA given with `lora`; pass `lora` too.")
+    if lora_alpha is not None and not (isinstance(lora_alpha, (int, float)) and 0 < lora_alpha < float("inf")):
+        raise ValueError(f"`lora_alpha` must be a positive finite number, got {lora_alpha!r}.")
     base_dir = resolve_base(base)
     base_model = base_model_id or _hub_id(base)
+    if base_model is None:
+        logger.warning(
+            f"--base {str(base)!r} is a local directory and no --base-model-id was given: the model card is written "
+            "without `base_model`. Add `base_model: <hub id>` (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers) to the front "
+            "matter of README.md before uploading, or pass --base-model-id."
+        )
+    base_component_entries(base_dir)  # the components to copy, checked before anything is written
 
     loaded = load_checkpoint_safely(checkpoint)
     detected = detect_format(loaded, format, path=checkpoint)
@@ -233,8 +255,8 @@ def convert_checkpoint(
             tensor = merge_lora(source, lora_a, lora_b, alpha, out_dtype)
         else:
             tensor = source.to(out_dtype)
-        if not allow_non_finite and not torch.isfinite(tensor).all():
-            bad = int((~torch.isfinite(tensor)).sum())
+        bad = 0 if allow_non_finite else _non_finite(tensor)
+        if bad:
             raise CheckpointConversionError(
                 f"Weight {name!r} ({key_map[name]!r} in the checkpoint) holds {bad} NaN/Inf value(s)"
                 f"{' after the cast to ' + str(out_dtype) if out_dtype != source.dtype else ''}; refusing to write "
@@ -247,24 +269,23 @@ def convert_checkpoint(
     settings = sampling.as_dict()
     pipeline_settings = tuple(key for key in settings if key in pipeline_keys or key in _MODEL_SETTINGS)
     pending = tuple(key for key in settings if key not in pipeline_settings)
+    from ..pipelines import causal_scheduler_from_config
+
+    scheduler = causal_scheduler_from_config(
+        dict(FlowMatchEulerDiscreteScheduler.load_config(base_dir, subfolder="scheduler"))
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler.config, shift=sampling.shift)
 
     with atomic_output_dir(output) as staging:
         (staging / "transformer").mkdir()
         meta_model.save_config(staging / "transformer")
         shards = write_sharded_safetensors(staging / "transformer", plan, make_tensor, max_shard_size)
-
-        from ..pipelines import causal_scheduler_from_config
-
-        scheduler = causal_scheduler_from_config(
-            dict(FlowMatchEulerDiscreteScheduler.load_config(base_dir, subfolder="scheduler"))
-        )
-        FlowMatchEulerDiscreteScheduler.from_config(scheduler.config, shift=sampling.shift).save_pretrained(
-            staging / "scheduler"
-        )
+        scheduler.save_pretrained(staging / "scheduler")
+        copied = copy_base_components(base_dir, staging)
         index = {
             "_class_name": "WanCausalPipeline",
             "_diffusers_version": _diffusers_version(),
-            **copy_base_components(base_dir, staging),
+            **copied,
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
             "transformer": ["fastgen_diffusers", "WanCausalTransformer3DModel"],
             **{key: settings[key] for key in pipeline_settings if key not in _MODEL_SETTINGS},
@@ -323,15 +344,13 @@ def _diffusers_version() -> str:
     return diffusers.__version__
 
 
-def _hub_id(base: str | os.PathLike) -> str:
-    """``base`` as a Hub id: itself when it is not a local path, ``org/name`` for a Hub cache snapshot."""
+def _hub_id(base: str | os.PathLike) -> str | None:
+    """``base`` as a Hub id: itself when it is not a local path, ``org/name`` for a Hub cache snapshot; ``None`` for
+    another local directory."""
     path = Path(base)
     if not path.exists():
         return str(base)
     for part in reversed(path.resolve().parts):
         if part.startswith("models--"):
             return part.removeprefix("models--").replace("--", "/", 1)
-    raise ValueError(
-        f"--base {str(base)!r} is a local directory; the model card's `base_model` needs a Hub id: pass it with "
-        "--base-model-id (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers)."
-    )
+    return None

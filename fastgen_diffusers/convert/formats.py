@@ -12,35 +12,35 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..settings import CONFIG_KEYS, RolloutSettings, policy_names
+
 __all__ = [
     "DEFAULT_SAMPLING",
     "FORMATS",
     "STUDENT_FORMATS",
     "CheckpointFacts",
-    "SamplingSettings",
+    "StudentSettings",
     "StudentFormat",
     "get_format",
     "warp_timesteps",
 ]
 
-KV_CACHE_POLICIES = ("sequential", "recompute", "rolling")
-
-
-def _timesteps(values: Sequence[float] | None, name: str) -> tuple[float, ...] | None:
-    if values is None:
-        return None
-    ts = tuple(float(t) for t in values)
-    if not ts or any(not 0 < t <= 1000 for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
-        raise ValueError(f"`{name}` must be strictly descending values in (0, 1000], got {list(ts)}.")
-    return ts
+# the registry's policy names (the CLI's `--kv-cache-policy` choices)
+KV_CACHE_POLICIES = policy_names()
 
 
 @dataclass(frozen=True)
-class SamplingSettings:
+class StudentSettings:
     """How a few-step causal student samples; written into the converted pipeline so ``pipe(prompt)`` uses it.
 
+    The sampling and cache values are the pipelines' own settings
+    (:class:`~fastgen_diffusers.settings.RolloutSettings`, :meth:`rollout_settings`): every rule a call of the
+    converted model would apply is checked on construction, with the same message, so a setting the model would
+    refuse cannot be stored; the chunk size is checked against the window and the EMA eviction rule for rollouts of
+    any length.
+
     Args:
-        timesteps: Model-scale denoising timesteps of every chunk, in ``(0, 1000]``, descending, without the final 0
+        timesteps: Model-scale denoising timesteps of every chunk, in ``[0, 1000]``, descending, without the final 0
             (Self-Forcing's warped ``denoising_step_list``, FastGen's ``t_list * 1000``).
         shift: Flow-matching shift of the scheduler (already folded into ``timesteps``).
         context_noise: Model-scale timestep of the pass that stores a finished chunk in the KV cache (0: clean).
@@ -50,17 +50,12 @@ class SamplingSettings:
             1/2-step models denoise the first chunk with 4 steps: ``denoising_step_list_first_chunk``).
         attention_window: Sliding attention window in latent frames, the sink included (``local_attn_size``).
         sink_frames: First latent frames kept inside the window (``sink_size``).
-        kv_cache_policy: ``"sequential"`` (cache each finished chunk), ``"recompute"`` (Krea: re-encode a few
-            context frames before every chunk) or ``"rolling"`` (Rolling Forcing: one forward denoises a window of
-            chunks at staggered noise levels; its sink is the first chunk, so no ``sink_frames``, and it commits
-            chunks clean, so ``context_noise`` 0). Stored for the policy that implements it.
+        kv_cache_policy: A registered KV-cache policy (``"sequential"``, ``"recompute"``, ``"rolling"``).
         context_frames: Latent frames the recompute policy re-encodes (Krea's ``kv_cache_num_frames``).
-        kv_cache_attention_bias: Attention weight on cached frames, as a factor (Krea: 0.3, i.e. ``log(0.3)`` added
-            to the logits); 1.0 is no bias.
-        rope_positions: Temporal RoPE positions of the cached keys: ``"absolute"`` or ``"window"`` (Reward Forcing:
-            keys cached before RoPE and rotated by their slot in the window).
+        kv_cache_attention_bias: Attention weight on cached frames, as a factor (Krea: 0.3); 1.0 is no bias.
+        rope_positions: Temporal RoPE positions of the cached keys: ``"absolute"`` or ``"window"``.
         sink_update: ``"fixed"`` or ``"ema"`` (Reward Forcing: frames leaving the window are averaged into the sink).
-        sink_decay: The EMA's decay (Reward Forcing's ``compression_alpha``, 0.999).
+        sink_decay: The EMA's decay (Reward Forcing's ``compression_alpha``, 0.999); only with ``sink_update="ema"``.
     """
 
     timesteps: tuple[float, ...]
@@ -77,89 +72,46 @@ class SamplingSettings:
     # window-relative RoPE and EMA sink (Reward Forcing)
     rope_positions: str = "absolute"
     sink_update: str = "fixed"
-    sink_decay: float = 0.999
+    sink_decay: float | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "timesteps", _timesteps(self.timesteps, "timesteps"))
-        object.__setattr__(
-            self, "first_chunk_timesteps", _timesteps(self.first_chunk_timesteps, "first_chunk_timesteps")
-        )
+        if self.timesteps is None:
+            raise ValueError("`timesteps` must be a list of model-scale timesteps, got None.")
+        if self.shift is None or isinstance(self.shift, bool) or not isinstance(self.shift, (int, float)):
+            raise ValueError(f"`shift` must be a positive number, got {self.shift}.")
         if not math.isfinite(self.shift) or self.shift <= 0:
             raise ValueError(f"`shift` must be a positive number, got {self.shift}.")
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"`chunk_size` must be a positive number of latent frames, got {self.chunk_size}.")
-        if not 0 <= self.context_noise < 1000:
-            raise ValueError(f"`context_noise` must be a model-scale timestep in [0, 1000), got {self.context_noise}.")
-        if self.attention_window is not None and self.attention_window < 1:
-            raise ValueError(f"`attention_window` must be a positive number of frames, got {self.attention_window}.")
-        if self.sink_frames < 0 or (self.sink_frames and self.attention_window is None):
-            raise ValueError(
-                f"`sink_frames` must be >= 0 and needs an `attention_window`, got sink {self.sink_frames} with "
-                f"window {self.attention_window}."
-            )
-        if self.attention_window is not None and self.sink_frames >= self.attention_window:
-            raise ValueError(
-                f"`sink_frames` ({self.sink_frames}) must be smaller than `attention_window` "
-                f"({self.attention_window})."
-            )
-        if self.kv_cache_policy not in KV_CACHE_POLICIES:
-            raise ValueError(f"`kv_cache_policy` must be one of {KV_CACHE_POLICIES}, got {self.kv_cache_policy!r}.")
-        rolling_unsupported = self.sink_frames or self.context_noise or self.first_chunk_timesteps
-        if self.kv_cache_policy == "rolling" and rolling_unsupported:
-            raise ValueError(
-                "`kv_cache_policy='rolling'` keeps its first chunk as the sink and commits chunks at timestep 0 on "
-                f"one schedule: `sink_frames`, `context_noise` and `first_chunk_timesteps` must be unset, got "
-                f"{self.sink_frames}, {self.context_noise}, {self.first_chunk_timesteps}."
-            )
-        # the policies' rules (pipelines/policy_recompute.py, policy_rolling.py), restated: a stored combination every
-        # call of the converted model would refuse
-        if self.context_frames is not None and (
-            self.kv_cache_policy != "recompute" or isinstance(self.context_frames, bool) or self.context_frames < 1
-        ):
-            raise ValueError(
-                f"`context_frames` must be a positive number of latent frames and needs `kv_cache_policy='recompute'`"
-                f", got {self.context_frames!r} under {self.kv_cache_policy!r}."
-            )
-        if self.kv_cache_policy == "recompute" and self.attention_window is not None:
-            raise ValueError(
-                "`kv_cache_policy='recompute'` bounds the cache itself: it cannot be stored with an `attention_window`"
-                f" (got {self.attention_window})."
-            )
-        positioned = self.rope_positions != "absolute" or self.sink_update != "fixed"
-        if self.kv_cache_policy in ("recompute", "rolling") and positioned:
-            raise ValueError(
-                f"`kv_cache_policy={self.kv_cache_policy!r}` positions its keys itself: `rope_positions` must be "
-                f"'absolute' and `sink_update` 'fixed', got {self.rope_positions!r} / {self.sink_update!r}."
-            )
-        if not 0.01 <= self.kv_cache_attention_bias <= 1:  # the pipelines' range (pipelines/policy_recompute.py)
-            raise ValueError(f"`kv_cache_attention_bias` must be in [0.01, 1], got {self.kv_cache_attention_bias}.")
-        # the engines' rule (kv_cache.base.check_rope_and_sink_settings), restated: this table imports no torch
-        if self.rope_positions not in ("absolute", "window") or self.sink_update not in ("fixed", "ema"):
-            raise ValueError(
-                f"`rope_positions` must be 'absolute' or 'window' and `sink_update` 'fixed' or 'ema', got "
-                f"{self.rope_positions!r} and {self.sink_update!r}."
-            )
-        if self.rope_positions == "window" and self.attention_window is None:
-            raise ValueError("`rope_positions='window'` needs an `attention_window`.")
-        if self.sink_update == "ema" and (not self.sink_frames or self.rope_positions != "window"):
-            raise ValueError("`sink_update='ema'` needs `sink_frames` > 0 and `rope_positions='window'`.")
-        if not 0 < self.sink_decay < 1:
-            raise ValueError(f"`sink_decay` must be in (0, 1), got {self.sink_decay}.")
+        if not isinstance(self.independent_first_frame, bool):
+            raise ValueError(f"`independent_first_frame` must be True or False, got {self.independent_first_frame!r}.")
+        settings = self.rollout_settings()  # every rule of the pipelines' settings, checked once there
+        object.__setattr__(self, "timesteps", settings.sampling.timesteps)
+        object.__setattr__(self, "first_chunk_timesteps", settings.sampling.first_chunk_timesteps)
+        settings.cache.check_chunk_size(self.chunk_size, self.independent_first_frame)
+
+    def rollout_settings(self) -> RolloutSettings:
+        """The pipelines' settings values of this student (what the converted pipeline config stores)."""
+        return RolloutSettings.from_arguments(
+            {name: getattr(self, name) for name in CONFIG_KEYS if hasattr(self, name)}
+        )
 
     @property
     def num_inference_steps(self) -> int:
         """Denoising steps per chunk (after the first chunk when ``first_chunk_timesteps`` is set)."""
         return len(self.timesteps)
 
-    def replace(self, **overrides: Any) -> SamplingSettings:
+    def replace(self, **overrides: Any) -> StudentSettings:
         """A copy with the given fields replaced; ``None`` values keep the stored one."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update({key: value for key, value in overrides.items() if value is not None})
-        return SamplingSettings(**values)
+        return StudentSettings(**values)
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready values (tuples as lists)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        """JSON-ready values (tuples as lists): the model settings (chunking, shift) and the pipeline config
+        (:meth:`RolloutSettings.to_config`), in field order."""
+        config = self.rollout_settings().to_config()
+        values = {f.name: config.get(f.name, getattr(self, f.name)) for f in fields(self)}
         return {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
 
 
@@ -232,7 +184,7 @@ class StudentFormat:
     project: str
     files: tuple[str, ...]
     containers: tuple[str, ...]
-    sampling: SamplingSettings
+    sampling: StudentSettings
     detector: Detector = field(default=lambda facts: None, repr=False, compare=False)
     lora_alpha: float | None = None
     prefer_ema: bool = True
@@ -255,7 +207,15 @@ def _framewise(steps: str) -> Detector:
             hit = facts.name_has("framewise/causal_forcing", "framewise\\causal_forcing")
         else:
             hit = facts.name_has(f"framewise-{steps}")
-        return f"file name matches Causal Forcing's {steps} release" if hit else None
+        if not hit:
+            return None
+        evidence = f"file name matches Causal Forcing's {steps} release"
+        if steps == "chunkwise" and not facts.name_has("chunkwise"):
+            evidence += (
+                " (the frame-wise release, framewise/causal_forcing.pt, has the same file name: pass --format "
+                "causal-forcing-framewise for it)"
+            )
+        return evidence
 
     return detect
 
@@ -304,7 +264,7 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         "NVlabs/FastGen",
         ("{iteration:07d}.pth",),
         ("fastgen", "flat"),
-        SamplingSettings(timesteps=(999.0, 937.0, 833.0, 624.0), shift=5.0),
+        StudentSettings(timesteps=(999.0, 937.0, 833.0, 624.0), shift=5.0),
         _fastgen,
     ),
     StudentFormat(
@@ -315,7 +275,7 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         ("flat",),
         # configs/self_forcing_server_14b.yaml: denoising_step_list [1000, 937, 833, 625] (no warp), 3-frame chunks,
         # KV recompute over kv_cache_num_frames=3; scope's port adds the 0.3 attention bias on cached frames.
-        SamplingSettings(
+        StudentSettings(
             timesteps=(1000.0, 937.0, 833.0, 625.0),
             shift=5.0,
             kv_cache_policy="recompute",
@@ -334,7 +294,7 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         ("generator", "state_dict", "flat"),
         # configs/wan_causal_dmd_v2v.yaml: [700, 500, 400, 200] unwarped, shift 8, one frame per block, 3 sink
         # frames; scope's port keeps a 6-frame ring cache.
-        SamplingSettings(
+        StudentSettings(
             timesteps=(700.0, 500.0, 400.0, 200.0), shift=8.0, chunk_size=1, attention_window=6, sink_frames=3
         ),
         _streamdiffusionv2,
@@ -350,7 +310,7 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         # configs/reward_forcing.yaml: warped [1000, 750, 500, 250], local_attn_size 9, sink_size 3; its
         # CausalWanSelfAttention caches keys before RoPE, ropes them by slot in the window and averages evicted
         # frames into the sink (compression_alpha 0.999): tests/data/reward_forcing_tiny.
-        SamplingSettings(
+        StudentSettings(
             timesteps=_SF_STEPS,
             shift=5.0,
             attention_window=9,
@@ -370,7 +330,7 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         # configs/inference.yaml (main): Wan2.2-TI2V-5B, sampling_steps 4 (sigmas 1, .75, .5, .25 shifted by 5 and
         # truncated: 1000, 937, 833, 625), 8-frame blocks, local_attn_size 32, sink_size 8; its multi-shot sinks and
         # NVFP4 files are not converted (packed NVFP4 weights are refused as non-float).
-        SamplingSettings(
+        StudentSettings(
             timesteps=(1000.0, 937.0, 833.0, 625.0), shift=5.0, chunk_size=8, attention_window=32, sink_frames=8
         ),
         _longlive_2,
@@ -386,7 +346,7 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         ("generator", "model", "flat"),
         # configs/longlive_inference.yaml (v1.0): warped [1000, 750, 500, 250], local_attn_size 12, sink_size 3;
         # the LoRA adapter is rank 256, alpha 256.
-        SamplingSettings(timesteps=_SF_STEPS, shift=5.0, attention_window=12, sink_frames=3),
+        StudentSettings(timesteps=_SF_STEPS, shift=5.0, attention_window=12, sink_frames=3),
         _name("longlive", "memflow"),
         lora_alpha=256.0,
         prefer_ema=False,
@@ -402,7 +362,7 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         # configs/rolling_forcing_dmd.yaml: warped [1000, 800, 600, 400, 200], 3-frame blocks;
         # inference_rolling_forcing denoises a rolling window of 5 blocks at staggered levels (21-frame attention,
         # the first block as anchor).
-        SamplingSettings(
+        StudentSettings(
             timesteps=warp_timesteps([1000, 800, 600, 400, 200], 5.0), shift=5.0, kv_cache_policy="rolling"
         ),
         _name("rolling_forcing", "rolling-forcing", "rollingforcing"),
@@ -414,7 +374,7 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         ("causal-forcing++/framewise-1step.pt",),
         _ORIGINAL_CONTAINERS,
         # configs/causal_forcing_dmd_framewise_1step.yaml: [1000]; first chunk [1000, 750, 500, 250]; both warped.
-        SamplingSettings(
+        StudentSettings(
             timesteps=warp_timesteps([1000], 5.0), shift=5.0, chunk_size=1, first_chunk_timesteps=_SF_STEPS
         ),
         _framewise("1step"),
@@ -425,7 +385,7 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         "thu-ml/Causal-Forcing",
         ("causal-forcing++/framewise-2step.pt",),
         _ORIGINAL_CONTAINERS,
-        SamplingSettings(
+        StudentSettings(
             timesteps=warp_timesteps([1000, 500], 5.0), shift=5.0, chunk_size=1, first_chunk_timesteps=_SF_STEPS
         ),
         _framewise("2step"),
@@ -436,7 +396,7 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         "thu-ml/Causal-Forcing",
         ("framewise/causal_forcing.pt",),
         _ORIGINAL_CONTAINERS,
-        SamplingSettings(timesteps=_SF_STEPS, shift=5.0, chunk_size=1),
+        StudentSettings(timesteps=_SF_STEPS, shift=5.0, chunk_size=1),
         _framewise("framewise"),
     ),
     StudentFormat(
@@ -446,7 +406,7 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         ("chunkwise/causal_forcing.pt",),
         _ORIGINAL_CONTAINERS,
         # configs/causal_forcing_dmd_chunkwise.yaml: warped [1000, 750, 500, 250], 3-frame blocks.
-        SamplingSettings(timesteps=_SF_STEPS, shift=5.0),
+        StudentSettings(timesteps=_SF_STEPS, shift=5.0),
         _framewise("chunkwise"),
     ),
     StudentFormat(
@@ -455,7 +415,7 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         "tianweiy/CausVid",
         ("model.pt",),
         _ORIGINAL_CONTAINERS,
-        SamplingSettings(timesteps=(1000.0, 757.0, 522.0), shift=8.0),
+        StudentSettings(timesteps=(1000.0, 757.0, 522.0), shift=8.0),
     ),
     StudentFormat(
         "self-forcing",
@@ -463,14 +423,14 @@ STUDENT_FORMATS: tuple[StudentFormat, ...] = (
         "guandeh17/Self-Forcing",
         ("self_forcing_dmd.pt",),
         _ORIGINAL_CONTAINERS,
-        SamplingSettings(timesteps=_SF_STEPS, shift=5.0),
+        StudentSettings(timesteps=_SF_STEPS, shift=5.0),
         _name("self_forcing", "self-forcing"),
     ),
 )
 
 _BY_NAME: Mapping[str, StudentFormat] = {row.name: row for row in STUDENT_FORMATS}
 FORMATS: tuple[str, ...] = ("auto", *sorted(_BY_NAME))
-DEFAULT_SAMPLING: Mapping[str, SamplingSettings] = {row.name: row.sampling for row in STUDENT_FORMATS}
+DEFAULT_SAMPLING: Mapping[str, StudentSettings] = {row.name: row.sampling for row in STUDENT_FORMATS}
 
 
 def get_format(name: str) -> StudentFormat:

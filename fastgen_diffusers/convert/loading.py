@@ -146,7 +146,7 @@ def load_checkpoint_safely(path: str | os.PathLike) -> Any:
         raise UnsafeCheckpointError(
             f"Refused to load {str(path)!r}: its pickle holds objects other than tensors and plain containers "
             f"(dict, list, tuple, str, numbers), so it is not a plain weights file. Nothing in it was executed. "
-            f"torch says: {_first_line(error)}\nIf you trust the file, load it yourself in an isolated environment "
+            f"torch says: {_first_line(error)} If you trust the file, load it yourself in an isolated environment "
             f"and save only its state dicts (e.g. `torch.save({{'generator_ema': ckpt['generator_ema']}}, "
             f"'weights.pt')` or safetensors), then convert that."
         ) from None

@@ -153,9 +153,8 @@ def original_to_diffusers_state_dict(state_dict: Mapping[str, torch.Tensor]) -> 
 
 
 def _listing(items: Sequence[str]) -> str:
-    shown = "\n".join(f"    {item}" for item in items[:MAX_LISTED])
-    more = f"\n    ... and {len(items) - MAX_LISTED} more" if len(items) > MAX_LISTED else ""
-    return shown + more
+    more = f", ... and {len(items) - MAX_LISTED} more" if len(items) > MAX_LISTED else ""
+    return ", ".join(items[:MAX_LISTED]) + more
 
 
 def check_state_dict(
@@ -179,17 +178,20 @@ def check_state_dict(
     )
     problems = []
     if unexpected:
-        problems.append(f"  {len(unexpected)} key(s) that map to no parameter of the base transformer:\n")
-        problems[-1] += _listing(unexpected)
+        problems.append(
+            f"{len(unexpected)} key(s) that map to no parameter of the base transformer ({_listing(unexpected)})"
+        )
     if missing:
-        problems.append(f"  {len(missing)} parameter(s) of the base transformer missing from the checkpoint:\n")
-        problems[-1] += _listing(missing)
+        problems.append(
+            f"{len(missing)} parameter(s) of the base transformer missing from the checkpoint ({_listing(missing)})"
+        )
     if mismatched:
-        problems.append(f"  {len(mismatched)} shape mismatch(es):\n" + _listing(mismatched))
+        problems.append(f"{len(mismatched)} shape mismatch(es) ({_listing(mismatched)})")
     if problems:
         raise CheckpointConversionError(
-            "The checkpoint does not fit the base transformer config (is --base the model it was trained from?):\n"
-            + "\n".join(problems)
+            "The checkpoint does not fit the base transformer config (is --base the model it was trained from?): "
+            + "; ".join(problems)
+            + "."
         )
 
 

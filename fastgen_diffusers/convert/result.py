@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .formats import SamplingSettings
+from .formats import StudentSettings
 
 __all__ = ["ConversionResult"]
 
@@ -30,7 +30,7 @@ class ConversionResult:
     format: str
     copy: str
     description: str
-    sampling: SamplingSettings
+    sampling: StudentSettings
     pipeline_settings: tuple[str, ...] = ()
     pending_settings: tuple[str, ...] = ()
     lora: str | None = None

@@ -22,7 +22,14 @@ from huggingface_hub import split_torch_state_dict_into_shards
 
 from .mapping import CheckpointConversionError
 
-__all__ = ["atomic_output_dir", "copy_base_components", "parse_size", "write_sharded_safetensors"]
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "atomic_output_dir",
+    "base_component_entries",
+    "copy_base_components",
+    "parse_size",
+    "write_sharded_safetensors",
+]
 
 WEIGHTS_PATTERN = "diffusion_pytorch_model{suffix}.safetensors"
 WEIGHTS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -69,7 +76,16 @@ def atomic_output_dir(output: Path) -> Iterator[Path]:
         raise
 
 
-_SAFETENSORS_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# The floating dtypes a shard can hold, by safetensors code (float8: the two formats safetensors names).
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
 
 def _write_safetensors_file(
@@ -165,19 +181,31 @@ def resolve_base(base: str | os.PathLike) -> Path:
         ) from None
 
 
-def copy_base_components(base: Path, staging: Path) -> dict[str, list]:
-    """Copy the tokenizer, text encoder and VAE folders of ``base``; returns their ``model_index.json`` entries."""
-    index = json.loads((base / "model_index.json").read_text(encoding="utf-8"))
+def base_component_entries(base: Path) -> dict[str, list]:
+    """The ``model_index.json`` entries of ``base``'s tokenizer, text encoder and VAE, each checked to have its folder
+    (run before anything is written)."""
+    try:
+        index = json.loads((base / "model_index.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise CheckpointConversionError(f"--base {str(base)!r}: model_index.json cannot be read ({error}).") from None
     entries = {}
     for name in COPIED_COMPONENTS:
         entry = index.get(name)
-        if entry is None or entry[0] is None:
+        if not isinstance(entry, list) or len(entry) != 2 or entry[0] is None:
             if name == "vae":
                 raise CheckpointConversionError(f"--base {str(base)!r} has no VAE in its model_index.json.")
             entries[name] = [None, None]
             continue
         if not (base / name).is_dir():
             raise CheckpointConversionError(f"--base {str(base)!r} lists `{name}` but has no {name}/ folder.")
-        shutil.copytree(base / name, staging / name)  # follows Hub-cache symlinks to the blobs
         entries[name] = list(entry)
+    return entries
+
+
+def copy_base_components(base: Path, staging: Path) -> dict[str, list]:
+    """Copy the tokenizer, text encoder and VAE folders of ``base``; returns their ``model_index.json`` entries."""
+    entries = base_component_entries(base)
+    for name, entry in entries.items():
+        if entry[0] is not None:
+            shutil.copytree(base / name, staging / name)  # follows Hub-cache symlinks to the blobs
     return entries

@@ -51,8 +51,9 @@ scale per (sample, frame, head) (:mod:`~fastgen_diffusers.kv_cache.quantize`); e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ from torch import nn
 from .accounting import expected_scale_bytes, tensor_bytes
 from .cross import ConditioningKey, CrossKVCache, CrossKVEntry, CrossKVMode
 from .ema_sink import check_ema_chunks, check_ema_eviction, ema_update
+from .masks import BlockMaskMemo
 from .options import SINK_UPDATES, check_kv_cache_dtype, check_rope_and_sink_settings
 from .positions import RopePositions, check_chunk_positions
 from .quantize import QuantizedFrames, quantize_frames
@@ -138,6 +140,7 @@ class BaseKVCacheEngine:
         self.sink_decay = float(sink_decay)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, sink_update)
         self.blocks = BlockRegistry()
+        self._mask_memo: BlockMaskMemo | None = None
         self._tags = TagTable()
         self._self_kv: list[dict[str, Any]] = []
         self.cross = CrossKVCache()
@@ -162,12 +165,14 @@ class BaseKVCacheEngine:
         return self.cross.entries
 
     # ------------------------------------------------------------------ registration
-    def register_blocks(self, blocks: Sequence[nn.Module]) -> None:
+    def register_blocks(self, blocks: Sequence[nn.Module], block_masks: BlockMaskMemo | None = None) -> None:
         """Register the ``attn1``/``attn2`` modules of ``blocks``; ``blocks[i]`` becomes block index ``i``.
 
-        Registering again replaces the previous registration and empties the cache.
+        ``block_masks``: the model's mask memo, which the spec's ``_block_masks`` view reads. Registering again
+        replaces the previous registration and empties the cache.
         """
         self.blocks = BlockRegistry(blocks)
+        self._mask_memo = block_masks
         self.clear()
 
     @property
@@ -180,6 +185,18 @@ class BaseKVCacheEngine:
     def block_index(self, attn: nn.Module) -> int:
         """Branch-local block index of a registered attention module."""
         return self.blocks.block_index(attn, type(self).__name__)
+
+    @property
+    def _module_to_block(self) -> Mapping[int, int]:
+        """The spec's ``_module_to_block[id(attn)] -> block_idx``: a read-only view of the registration."""
+        return MappingProxyType(self.blocks.module_to_block)
+
+    @property
+    def _block_masks(self) -> Mapping[tuple, Any]:
+        """The spec's memoised block masks, keyed by the chunk layout and everything else the pattern depends on
+        (:meth:`~fastgen_diffusers.kv_cache.masks.BlockMaskMemo.keys`): a read-only view of the memo of the model
+        that registered this engine (empty before)."""
+        return MappingProxyType({}) if self._mask_memo is None else self._mask_memo.view()
 
     # ------------------------------------------------------------------ tags and the window
     def tag_state(self, cache_tag: str) -> TagState | None:
@@ -351,6 +368,36 @@ class BaseKVCacheEngine:
         if state is not None:
             state.recaching = False
 
+    # ------------------------------------------------------------------ prompt-switch edits (Infinity-RoPE)
+    def flush(self, cache_tag: str, keep_frames: int) -> None:
+        """KV flush: keep only the sink and the last ``keep_frames`` stored frames of ``cache_tag`` (Infinity-RoPE's
+        ``kv_flush`` at a prompt switch). Until the window slides past the dropped frames, calls attend to the held
+        frames only (the dropped ones are no error, as evicted frames of a windowed recache are not)."""
+        state = self._tags.get(cache_tag)
+        if state is None:
+            return
+        if not self.window.bounded:
+            raise ValueError("A KV flush keeps the sink and the last frames: it needs an engine with `window_frames`.")
+        before = max(state.num_frames - keep_frames, self.window.sink, state.evicted_before)
+        if before <= state.evicted_before:
+            return
+        state.evicted_before = state.flushed_before = before
+        for block_idx in range(self.num_blocks):
+            self._evict_self_entry(self._self_kv[block_idx][cache_tag], state, before)
+
+    def set_rope_cut(self, cache_tag: str, position: int | None) -> None:
+        """Scene cut (Infinity-RoPE's ``rope_cut``): until set back to ``None``, the frames of each call of
+        ``cache_tag`` (queries and their own keys) sit at temporal positions ``position, position + 1, ...``; the
+        cached keys keep their positions. Needs keys stored before RoPE (the cut is not written into the cache)."""
+        if position is not None and not self.keys_before_rope:
+            raise ValueError(
+                "A RoPE cut moves the call's frames to other positions at read time: it needs keys stored before "
+                f"RoPE (rope_positions='window'), got rope_positions={self.rope_positions!r}."
+            )
+        state = self._tags.get(cache_tag)
+        if state is not None:
+            state.rope_cut = position
+
     def held_frames(self, cache_tag: str) -> int:
         """Frames of ``cache_tag`` whose K/V the engine holds (the sink and the frames not evicted)."""
         state = self._tags.get(cache_tag)
@@ -461,6 +508,9 @@ class BaseKVCacheEngine:
         frames = self._key_frames(cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window)
         window = self.window if attention_window is None else attention_window
         positions = dict(zip(frames, self._rope_mode.rule(frames, window, self.rope_offset(cache_tag))))
+        state = self._tags.get(cache_tag)
+        if state is not None and state.rope_cut is not None:
+            positions.update({start_frame + i: state.rope_cut + i for i in range(num_frames)})
         return RopePositions(
             tuple(positions[frame] for frame in frames),
             tuple(positions[frame] for frame in range(start_frame, start_frame + num_frames)),
@@ -584,6 +634,8 @@ class BaseKVCacheEngine:
         """Record, once every block has appended, that frames ``[start_frame, start_frame + num_frames)`` exist, as
         the chunks ``chunk_layout`` (frame counts; one chunk when ``None``), each a boundary a later call may use."""
         self._tags.record_store(cache_tag, start_frame, num_frames, chunk_layout)
+        if self.window.bounded:
+            self._tags[cache_tag].forget_evicted_chunks(self.window.sink)
 
     # ------------------------------------------------------------------ edits between forwards
     def truncate(self, cache_tag: str, end_frame: int) -> None:

@@ -6,11 +6,12 @@ from typing import Any
 
 import torch
 
+from ..settings.cache import ENGINE_KINDS
 from .base import BaseKVCacheEngine
 from .static_engine import StaticKVCacheEngine
 from .vanilla_engine import VanillaKVCacheEngine
 
-ENGINE_KINDS = ("static", "vanilla")
+__all__ = ["ENGINE_KINDS", "make_engines"]
 
 
 def make_engines(

@@ -17,8 +17,9 @@ processor adds in a ``score_mod``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -156,8 +157,12 @@ class BlockMaskMemo:
         return list(self._masks)
 
     def clear(self) -> None:
-        self._masks = {}
+        self._masks.clear()
         self._biases = OrderedDict()
+
+    def view(self) -> Mapping[tuple, Any]:
+        """The masks built so far by key (see :meth:`keys`): a live, read-only mapping."""
+        return MappingProxyType(self._masks)
 
     @property
     def num_biases(self) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-KV_CACHE_DTYPE_NAMES = ("float8_e4m3fn", "int8")
+from ..settings.cache import KV_CACHE_DTYPE_NAMES
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: Any, name: str = "kv_cache_dtype") -> torch.dtype | None:

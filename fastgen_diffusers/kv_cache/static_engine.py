@@ -324,6 +324,8 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             return None
         if torch.is_grad_enabled():
             return None
+        if state.flushed_before > self.window.visible(start_frame, num_frames)[1]:
+            return None  # a KV flush dropped frames the window would show: gather the held ones
         seqlen = state.frame_seqlen
         end_frame = start_frame + num_frames
         runs = self._slot_runs(start_frame, end_frame)

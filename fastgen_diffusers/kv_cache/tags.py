@@ -31,6 +31,8 @@ class TagState:
     evicted_before: int = 0  # windowed engines: the non-sink frames before it are no longer held
     rope_offset: int = 0  # cached keys are rotated for temporal positions ``frame - rope_offset`` (RoPE re-basing)
     recaching: bool = False  # a windowed recache is open: its calls attend to the held frames only (see skip_evicted)
+    flushed_before: int = 0  # a KV flush dropped the non-sink frames before it: calls attend to the held frames
+    rope_cut: int | None = None  # a scene cut: the calls' own frames sit at temporal positions rope_cut, +1, ...
 
     def layout(self) -> dict[str, Any]:
         return {
@@ -44,6 +46,17 @@ class TagState:
 
     def copy(self) -> TagState:
         return dataclasses.replace(self, chunk_starts=list(self.chunk_starts))
+
+    def forget_evicted_chunks(self, sink_frames: int) -> None:
+        """Drop the starts of the chunks a window has evicted whole, so that a long windowed stream keeps
+        O(window) of them: no call or truncation can start there any more. Kept: the sink's chunks, the first start
+        after the sink (where a recache truncates), and the chunks from the one holding ``evicted_before`` on."""
+        if self.evicted_before <= sink_frames:
+            return
+        starts = self.chunk_starts
+        after_sink = next((s for s in starts if s >= sink_frames), None)
+        held_from = max((s for s in starts if s <= self.evicted_before), default=0)
+        self.chunk_starts = [s for s in starts if s < sink_frames or s == after_sink or s >= held_from]
 
 
 class TagTable:
@@ -130,7 +143,7 @@ class TagTable:
                 f"`start_frame={start_frame}` is inside a stored chunk of cache_tag {cache_tag!r}; calls must start "
                 f"at a chunk boundary the cache can serve: one of {sorted(set(state.chunk_starts + [stored]))}."
             )
-        if check_held and not state.recaching:
+        if check_held and not state.recaching and state.evicted_before > state.flushed_before:
             window.check_held(start_frame, chunk_layout[0], state.evicted_before, f"cache_tag {cache_tag!r}")
         for name, expected in state.layout().items():
             given = torch.device(layout[name]) if name == "device" else layout[name]

@@ -1,4 +1,4 @@
-"""Causal Wan transformer blocks: per-frame AdaLN modulation and the block's attention inputs passed to the processors.
+"""Causal Wan transformer blocks: per-frame AdaLN modulation, and the block's view of the forward for its processors.
 
 A block's forward is tensor code only (the model decides the per-call state beforehand), so
 ``transformer.compile_repeated_blocks(fullgraph=True)`` compiles it in both the read and the store path.
@@ -10,7 +10,7 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 from diffusers.models.transformers.transformer_wan_vace import WanVACETransformerBlock
 
-from ..processors.attention import BlockAttentionInputs
+from ..context import CausalBlockView
 
 
 def causal_block_forward(
@@ -19,7 +19,7 @@ def causal_block_forward(
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
     rotary_emb: torch.Tensor,
-    causal_context: BlockAttentionInputs,
+    causal_context: CausalBlockView,
 ) -> torch.Tensor:
     """The Wan block body with one modulation per latent frame (the math of diffusers' block, per frame).
 
@@ -28,8 +28,8 @@ def causal_block_forward(
         encoder_hidden_states: ``(B, L_ctx, D)`` embedded ``[image | text]`` context.
         temb: ``(B, F, 6, D)`` per-frame timestep projection.
         rotary_emb: ``(1, F*S, 1, head_dim/2, 2)`` rotations of this call's tokens (see ``apply_rotary_emb``).
-        causal_context: the block's :class:`BlockAttentionInputs` (decided by the model for this forward), handed
-            to both attention processors.
+        causal_context: the block's :class:`CausalBlockView` of this forward, handed to both attention processors
+            (each resolves its engine and reads what the model prepared for it).
 
     Returns:
         ``(B, F*S, D)``.
@@ -72,7 +72,7 @@ class WanCausalTransformerBlock(WanTransformerBlock):
         encoder_hidden_states: torch.Tensor,
         temb: torch.Tensor,
         rotary_emb: torch.Tensor,
-        causal_context: BlockAttentionInputs,
+        causal_context: CausalBlockView,
     ) -> torch.Tensor:
         return causal_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, causal_context)
 
@@ -87,7 +87,7 @@ class WanCausalVACETransformerBlock(WanVACETransformerBlock):
         control_hidden_states: torch.Tensor,
         temb: torch.Tensor,
         rotary_emb: torch.Tensor,
-        causal_context: BlockAttentionInputs,
+        causal_context: CausalBlockView,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One VACE layer: ``control = proj_in(control) + hidden_states`` (first layer only), then the block body.
 
@@ -97,7 +97,7 @@ class WanCausalVACETransformerBlock(WanVACETransformerBlock):
             control_hidden_states: ``(B, F*S, D)`` control stream.
             temb: ``(B, F, 6, D)`` per-frame timestep projection.
             rotary_emb: ``(1, F*S, 1, head_dim/2, 2)`` rotations (see ``apply_rotary_emb``).
-            causal_context: the block's :class:`BlockAttentionInputs`.
+            causal_context: the block's :class:`CausalBlockView`.
 
         Returns:
             ``(hint, control)``: ``proj_out(control)`` and the control stream for the next layer, both ``(B, F*S, D)``.

@@ -17,7 +17,7 @@ from diffusers.utils import apply_lora_scale, logging
 from torch import nn
 
 from ..chunking import chunk_layout
-from ..context import CausalContext
+from ..context import CausalBlockView, CausalContext
 from ..kv_cache import AttentionWindow, BaseKVCacheEngine, CrossKVMode, KVCacheEngine
 from ..kv_cache.masks import BlockMaskMemo
 from ..parallel import (
@@ -62,6 +62,8 @@ class ForwardCall:
     Attributes:
         ctx: the forward's :class:`CausalContext`.
         attention_inputs: per engine branch, one :class:`BlockAttentionInputs` per block.
+        views: one :class:`CausalBlockView` per block index (``ctx.at_block(i)``), what blocks ``i`` of every branch
+            hand their processors.
         rotary_emb: ``(1, F*S, 1, head_dim/2, 2)`` float32 rotations of the call's tokens (complex64 as real pairs).
         temb: ``(B, F, D)`` per-frame timestep embedding (the output head's modulation).
         timestep_proj: ``(B, F, 6, D)`` per-frame block modulation.
@@ -72,6 +74,7 @@ class ForwardCall:
 
     ctx: CausalContext
     attention_inputs: dict[str, list[BlockAttentionInputs]]
+    views: tuple[CausalBlockView, ...]
     rotary_emb: torch.Tensor
     temb: torch.Tensor
     timestep_proj: torch.Tensor
@@ -149,7 +152,7 @@ class CausalWanMixin:
         if len(set(modes.values())) > 1:  # the blocks of every branch share one rotation of the call's queries
             raise ValueError(f"Every engine of a model must use the same `rope_positions`, got {modes}.")
         for name, engine in engines.items():
-            engine.register_blocks(branches[name])
+            engine.register_blocks(branches[name], self.block_masks)
         self.kv_cache_engines = dict(engines)
 
     def clear_caches(self) -> None:
@@ -530,16 +533,17 @@ class CausalWanMixin:
         return num_frames // p_t, post_h, post_w, timestep_values
 
     # ------------------------------------------------------------------ blocks
-    def _run_blocks(self, blocks, hidden_states, context, timestep_proj, rotary_emb, block_inputs):
-        """Run ``blocks`` in order, ``blocks[i]`` with ``block_inputs[i]`` (its :class:`BlockAttentionInputs`)."""
-        for block, attention_inputs in zip(blocks, block_inputs):
+    def _run_blocks(self, blocks, hidden_states, context, timestep_proj, rotary_emb, block_inputs, views):
+        """Run ``blocks`` in order, ``blocks[i]`` with ``views[i]`` (its :class:`CausalBlockView`), gathering the
+        prefix of ``block_inputs[i]`` (its :class:`BlockAttentionInputs`) before and dropping it after."""
+        for block, attention_inputs, view in zip(blocks, block_inputs, views):
             attention_inputs.self_attn.load()
             if torch.is_grad_enabled() and self.gradient_checkpointing:
                 hidden_states = self._gradient_checkpointing_func(
-                    block, hidden_states, context, timestep_proj, rotary_emb, attention_inputs
+                    block, hidden_states, context, timestep_proj, rotary_emb, view
                 )
             else:
-                hidden_states = block(hidden_states, context, timestep_proj, rotary_emb, attention_inputs)
+                hidden_states = block(hidden_states, context, timestep_proj, rotary_emb, view)
             attention_inputs.self_attn.release()
         return hidden_states
 
@@ -673,6 +677,8 @@ class CausalWanMixin:
             )
             grid = (post_h, post_w)
             attention_inputs = build_attention_inputs(self.kv_cache_engines, ctx, self.rotary_tables, grid, device)
+            ctx.block_inputs = attention_inputs
+            views = tuple(ctx.at_block(i) for i in range(max(map(len, attention_inputs.values()), default=0)))
             if keys_before_rope:  # the queries at the positions the engines gave the call's frames
                 rotary_emb = query_rotations(ctx, self.rotary_tables, grid, device)
         except BaseException:
@@ -684,6 +690,7 @@ class CausalWanMixin:
         return ForwardCall(
             ctx,
             attention_inputs,
+            views,
             rotary_emb,
             temb,
             timestep_proj,
@@ -712,7 +719,14 @@ class CausalWanMixin:
         if call.embed_context:
             context = self._embed_context(encoder_hidden_states, encoder_hidden_states_image)
         hidden_states = self._forward_blocks(
-            hidden_states, context, timestep_proj, call.rotary_emb, call.ctx, call.attention_inputs, **block_inputs
+            hidden_states,
+            context,
+            timestep_proj,
+            call.rotary_emb,
+            call.ctx,
+            call.attention_inputs,
+            call.views,
+            **block_inputs,
         )
         return self._output_head(hidden_states, temb, batch_size, post_f, post_h, post_w)
 
@@ -804,9 +818,11 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
         """The blocks each engine branch owns: ``{"main": self.blocks}``."""
         return {"main": self.blocks}
 
-    def _forward_blocks(self, hidden_states, context, timestep_proj, rotary_emb, ctx: CausalContext, attention_inputs):
+    def _forward_blocks(
+        self, hidden_states, context, timestep_proj, rotary_emb, ctx: CausalContext, attention_inputs, views
+    ):
         return self._run_blocks(
-            self.blocks, hidden_states, context, timestep_proj, rotary_emb, attention_inputs["main"]
+            self.blocks, hidden_states, context, timestep_proj, rotary_emb, attention_inputs["main"], views
         )
 
     # ------------------------------------------------------------------ forward

@@ -180,18 +180,20 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
             )
         return scales
 
-    def _vace_hints(self, hidden_states, context, control_hidden_states, timestep_proj, rotary_emb, block_inputs):
+    def _vace_hints(
+        self, hidden_states, context, control_hidden_states, timestep_proj, rotary_emb, block_inputs, views
+    ):
         """One hint ``(B, F*S, D)`` per VACE layer, from ``control_hidden_states`` ``(B, 96, F, H, W)``."""
         control = self.vace_patch_embedding(control_hidden_states).flatten(2).transpose(1, 2)  # (B, F*S, D)
         hints = []
-        for block, inputs in zip(self.vace_blocks, block_inputs):
+        for block, inputs, view in zip(self.vace_blocks, block_inputs, views):
             inputs.self_attn.load()
             if torch.is_grad_enabled() and self.gradient_checkpointing:
                 hint, control = self._gradient_checkpointing_func(
-                    block, hidden_states, context, control, timestep_proj, rotary_emb, inputs
+                    block, hidden_states, context, control, timestep_proj, rotary_emb, view
                 )
             else:
-                hint, control = block(hidden_states, context, control, timestep_proj, rotary_emb, inputs)
+                hint, control = block(hidden_states, context, control, timestep_proj, rotary_emb, view)
             inputs.self_attn.release()
             hints.append(hint)
         return hints
@@ -204,6 +206,7 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
         rotary_emb: tuple[torch.Tensor, torch.Tensor],
         ctx: CausalContext,
         attention_inputs: dict,
+        views: tuple,
         *,
         control_hidden_states: torch.Tensor,
         control_scales: torch.Tensor,
@@ -215,7 +218,13 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
         hints = vace_hint_cache.lookup(key) if reuse else None
         if hints is None:
             hints = self._vace_hints(
-                hidden_states, context, control_hidden_states, timestep_proj, rotary_emb, attention_inputs["vace"]
+                hidden_states,
+                context,
+                control_hidden_states,
+                timestep_proj,
+                rotary_emb,
+                attention_inputs["vace"],
+                views,
             )
             if reuse:
                 vace_hint_cache.store(key, hints)
@@ -229,11 +238,12 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
                 timestep_proj,
                 rotary_emb,
                 main_inputs[start : layer + 1],
+                views[start : layer + 1],
             )
             hidden_states = hidden_states + hint * scale.to(hint)
             start = layer + 1
         return self._run_blocks(
-            self.blocks[start:], hidden_states, context, timestep_proj, rotary_emb, main_inputs[start:]
+            self.blocks[start:], hidden_states, context, timestep_proj, rotary_emb, main_inputs[start:], views[start:]
         )
 
     # ------------------------------------------------------------------ forward

@@ -1,14 +1,5 @@
 """Causal Wan pipelines and the rollout they share (options, session, conditioners, policies)."""
 
-from .conditioning import (
-    Conditioner,
-    FirstFrameConditioner,
-    GivenFramesConditioner,
-    ImageConcatConditioner,
-    VACEConditioner,
-)
-from .live import LiveRolloutMixin
-from .options import ImageToVideoOptions, RolloutOptions, VACEOptions
 from .pipeline_wan_causal import (
     WanCausalPipeline,
     causal_scheduler_from_config,
@@ -18,18 +9,27 @@ from .pipeline_wan_causal import (
 from .pipeline_wan_i2v_causal import I2V_LAYOUTS, WanCausalImageToVideoPipeline, detect_i2v_layout
 from .pipeline_wan_v2v_causal import VideoToVideoOptions, WanCausalVideoToVideoPipeline
 from .pipeline_wan_vace_causal import WanCausalVACEPipeline, causal_transformer_from_wan_vace
-from .policy import RolloutPolicy, SequentialPolicy
-from .policy_recompute import RecomputePolicy
-from .policy_rolling import RollingPolicy
-from .policy_v2v import VideoChunkPlan, VideoToVideoPolicy
-from .records import ChunkOutput, ChunkRecord
-from .rollout import CausalRolloutMixin, RolloutRun
-from .session import RolloutSession
-from .sources import NoiseSource
-from .streaming_encode import StreamingWanEncoder
-from .strength import MotionAwareStrength, StrengthSchedule
-from .video_latents import VideoToVideoSource
-from .video_source import VideoChunker
+from .rollout.conditioning import (
+    Conditioner,
+    FirstFrameConditioner,
+    GivenFramesConditioner,
+    ImageConcatConditioner,
+    VACEConditioner,
+)
+from .rollout.core import CausalRolloutMixin, RolloutRun
+from .rollout.live import LiveRolloutMixin
+from .rollout.options import ImageToVideoOptions, RolloutOptions, VACEOptions
+from .rollout.policy import RolloutPolicy, SequentialPolicy
+from .rollout.policy_recompute import RecomputePolicy
+from .rollout.policy_rolling import RollingPolicy
+from .rollout.policy_v2v import VideoChunkPlan, VideoToVideoPolicy
+from .rollout.records import ChunkOutput, ChunkRecord
+from .rollout.session import RolloutSession
+from .rollout.sources import NoiseSource
+from .rollout.strength import MotionAwareStrength, StrengthSchedule
+from .rollout.video_latents import VideoToVideoSource
+from .video_io.streaming_encode import StreamingWanEncoder
+from .video_io.video_source import VideoChunker
 
 __all__ = [
     "CausalRolloutMixin",

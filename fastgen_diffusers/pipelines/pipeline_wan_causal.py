@@ -31,10 +31,11 @@ from diffusers.video_processor import VideoProcessor
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from ..hub import HubPipelineMixin
-from ..models import WanCausalTransformer3DModel
-from .live import LiveRolloutMixin
-from .options import RolloutOptions
-from .rollout import OUTPUT_TYPES, RolloutShape
+from ..models import AutoencoderTinyWan, WanCausalTransformer3DModel
+from ..settings import RolloutSettings
+from .rollout.core import OUTPUT_TYPES, RolloutShape
+from .rollout.live import LiveRolloutMixin
+from .rollout.options import RolloutOptions, call_options
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 # The "Loaded <component> as <class> ..." lines of the components loaded here go where diffusers logs its own.
@@ -159,6 +160,10 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         keep_first_frame (`bool`, defaults to `False`):
             Stored default anchor of the recompute policy (`True`: the first latent frame for ever; `False`: Krea's
             re-encoded anchor).
+        decoder ([`AutoencoderTinyWan`], *optional*):
+            A decode-only tiny decoder (TAEHV, e.g. `AutoencoderTinyWan.from_single_file("taew2_1.pth")`) for the
+            frames of `stream()`: fast previews, while `__call__` still decodes with `vae`. To decode (and encode)
+            everything with the tiny autoencoder, pass it as `vae` instead.
 
     A pipeline runs one rollout at a time: its KV caches live in the transformer. A call while a `stream()` of the same
     pipeline (or of one sharing its transformer) is open, or from a second thread while one runs, raises a
@@ -166,7 +171,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
-    _optional_components = ["tokenizer", "text_encoder", "transformer"]
+    _optional_components = ["tokenizer", "text_encoder", "transformer", "decoder"]
     _transformer_class = WanCausalTransformer3DModel
 
     def __init__(
@@ -190,6 +195,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         sink_decay: float = 0.999,
         # Krea's re-encoded anchor (recompute)
         keep_first_frame: bool = False,
+        decoder: AutoencoderTinyWan | None = None,
     ):
         super().__init__()
         if transformer is not None and not isinstance(transformer, self._transformer_class):
@@ -199,8 +205,18 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 "or convert it with `causal_transformer_from_wan` / `causal_transformer_from_wan_vace` (weights are "
                 "shared)."
             )
+        if decoder is not None and not isinstance(decoder, AutoencoderTinyWan):
+            raise ValueError(
+                f"`decoder` must be an AutoencoderTinyWan (a decode-only tiny decoder for streams) or None, got "
+                f"{type(decoder).__name__}"
+            )
         self.register_modules(
-            vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, scheduler=scheduler
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            transformer=transformer,
+            scheduler=scheduler,
+            decoder=decoder,
         )
         # The student's sampling settings (written by `fastgen-diffusers convert`): used when a call names none.
         self.register_to_config(
@@ -217,10 +233,20 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             sink_decay=sink_decay,
             keep_first_frame=keep_first_frame,
         )
+        self.check_stored_settings()
         self._init_rollout_state()
         self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal if getattr(self, "vae", None) else 4
         self.vae_scale_factor_spatial = self.vae.config.scale_factor_spatial if getattr(self, "vae", None) else 8
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
+
+    def check_stored_settings(self) -> None:
+        """Raise ``ValueError`` for stored settings (the pipeline config) that every call would refuse, the
+        transformer's chunking included: the pipeline fails to load instead of failing every call."""
+        stored = RolloutSettings.from_config(self.config)
+        transformer = getattr(self, "transformer", None)
+        if transformer is not None:
+            config = transformer.config
+            stored.cache.check_chunk_size(config.chunk_size, config.independent_first_frame)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -245,6 +271,14 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             loading_logger.info(
                 f"Loaded scheduler as {scheduler_class} from `scheduler` subfolder of {pretrained_model_name_or_path}."
             )
+        # The tiny autoencoder (`vae` or the decode-only `decoder`) is ours: loaded here, diffusers would want code.
+        index = cls.load_config(pretrained_model_name_or_path, **hub_kwargs)
+        for name in ("vae", "decoder"):
+            entry = index.get(name)
+            if name not in kwargs and isinstance(entry, (list, tuple)) and entry[1] == AutoencoderTinyWan.__name__:
+                kwargs[name] = AutoencoderTinyWan.from_pretrained(
+                    pretrained_model_name_or_path, subfolder=name, **hub_kwargs
+                )
         # diffusers loads (and checks: `variant`, the Hub, the offline cache) every other component first.
         pipe = super().from_pretrained(pretrained_model_name_or_path, **{"transformer": None, **kwargs})
         if load_transformer:
@@ -256,6 +290,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 pretrained_model_name_or_path, subfolder="transformer", dtype=dtype, **model_kwargs, **hub_kwargs
             )
             pipe.register_modules(transformer=transformer)
+            pipe.check_stored_settings()
             loading_logger.info(
                 f"Loaded transformer as {type(transformer).__name__} from `transformer` subfolder of "
                 f"{pretrained_model_name_or_path}."
@@ -310,13 +345,8 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         self.check_rollout_inputs(
             num_latent_frames,
             o.chunk_size,
-            o.num_inference_steps,
-            o.timesteps,
-            o.sigmas,
-            o.context_noise,
-            o.first_chunk_timesteps,
             rope_positions=o.rope_positions,
-            positions_bounded=getattr(o, "kv_cache_policy", None) == "recompute",
+            positions_bounded=o.settings is not None and o.settings.active_policy.bounds_positions,
         )
 
         if prompt is not None and prompt_embeds is not None:
@@ -435,6 +465,11 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         # Krea's re-encoded anchor (recompute) and prompt transitions
         keep_first_frame: bool | None = None,
         prompt_transition_chunks: int = 0,
+        # prompt-switch policies (LongLive, Infinity-RoPE)
+        recache_sink: str = "rerun",
+        kv_flush: bool = False,
+        rope_cut: bool | list[int] = False,
+        settings: RolloutSettings | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -493,8 +528,12 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 Passed to the transformer; `scale` sets the LoRA scale.
             callback_on_step_end (`Callable`, `PipelineCallback`, `MultiPipelineCallbacks`, *optional*):
                 Called after every denoising step of every chunk as `callback_on_step_end(self, step, timestep,
-                callback_kwargs)`; `step` counts over chunks x steps and `callback_kwargs["latents"]` is the current
-                chunk `(B, C, F_chunk, H, W)`. Set `pipe._interrupt = True` in it to stop the rollout.
+                callback_kwargs)`. Per chunk, unlike diffusers' one-sequence pipelines: `callback_kwargs["latents"]`
+                is the chunk being denoised, `(B, C, F_chunk, H, W)`, not the whole video, and latents it returns
+                replace that chunk's only; `timestep` is the chunk's current step; `step` counts over chunks x steps,
+                so `self.num_timesteps` is the steps of all chunks (it grows chunk by chunk for an open-ended
+                stream). Under `kv_cache_policy="rolling"` it runs once per window forward instead. Set
+                `pipe._interrupt = True` in it to stop the rollout (the unfinished chunk is dropped).
             callback_on_step_end_tensor_inputs (`list`, *optional*):
                 Tensors given to `callback_on_step_end`, from `["latents", "prompt_embeds",
                 "negative_prompt_embeds"]`.
@@ -573,6 +612,22 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 `old` being the prompt in use at the switch (a blend, if a transition was under way). 0 and 1 switch
                 at once. Works under both policies; with `recache=True` every blended chunk recaches. Switches must
                 have the first prompt's embedding shape.
+            recache_sink (`str`, defaults to `"rerun"`):
+                What `recache=True` does with the sink: `"rerun"` re-runs the sink's chunks under the new prompt too;
+                `"keep"` is LongLive's `global_sink: true`: the sink keeps its K/V from the old prompt and the window's
+                other frames are re-run in one forward. `"keep"` needs `attention_window` and `sink_frames`.
+            kv_flush (`bool`, defaults to `False`):
+                Infinity-RoPE's KV flush: at each prompt switch keep only the sink and the last 2 generated latent
+                frames in the self-attention cache, so the new prompt takes effect at once with no extra forward.
+                Needs `attention_window`; not with `recache`.
+            rope_cut (`bool` or `list[int]`, defaults to `False`):
+                Infinity-RoPE's scene cut: the first chunk after a cut switch (`True`: every switch; or the pixel
+                frames of the switches that cut) runs at temporal RoPE positions 45, 46, ... (a jump away from the
+                cached frames); the chunks after it are positioned as usual. Needs `rope_positions="window"`.
+            settings ([`~fastgen_diffusers.settings.RolloutSettings`], *optional*):
+                The call's settings as one value (sampling, cache, policy, prompt schedule); the flat arguments above
+                override it where they differ from their defaults, and the pipeline's stored settings fill what
+                neither sets.
 
         Examples:
 
@@ -581,44 +636,4 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             `(frames,)` when `return_dict` is `False`. An interrupted rollout returns the finished chunks; the
             latent frames of unfinished chunks are left at their initial noise.
         """
-        return self.generate(
-            RolloutOptions(
-                prompt=prompt,
-                negative_prompt=negative_prompt,
-                height=height,
-                width=width,
-                num_frames=num_frames,
-                num_inference_steps=num_inference_steps,
-                timesteps=timesteps,
-                sigmas=sigmas,
-                first_chunk_timesteps=first_chunk_timesteps,
-                guidance_scale=guidance_scale,
-                chunk_size=chunk_size,
-                context_noise=context_noise,
-                generator=generator,
-                latents=latents,
-                prompt_embeds=prompt_embeds,
-                negative_prompt_embeds=negative_prompt_embeds,
-                output_type=output_type,
-                return_dict=return_dict,
-                attention_kwargs=attention_kwargs,
-                callback_on_step_end=callback_on_step_end,
-                callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-                max_sequence_length=max_sequence_length,
-                keep_cache=keep_cache,
-                recache=recache,
-                attention_window=attention_window,
-                sink_frames=sink_frames,
-                kv_cache_engine=kv_cache_engine,
-                num_videos_per_prompt=num_videos_per_prompt,
-                kv_cache_policy=kv_cache_policy,
-                context_frames=context_frames,
-                kv_cache_attention_bias=kv_cache_attention_bias,
-                rope_positions=rope_positions,
-                sink_update=sink_update,
-                sink_decay=sink_decay,
-                kv_cache_dtype=kv_cache_dtype,
-                keep_first_frame=keep_first_frame,
-                prompt_transition_chunks=prompt_transition_chunks,
-            )
-        )
+        return self.generate(call_options(RolloutOptions, locals()))

@@ -43,13 +43,14 @@ from diffusers.utils.torch_utils import get_module_execution_device
 from transformers import AutoTokenizer, CLIPVisionModel, UMT5EncoderModel
 from transformers.image_processing_utils import BaseImageProcessor
 
-from ..models import WanCausalTransformer3DModel
-from .clips import clip_frames, clip_layout
-from .conditioning import Conditioner, FirstFrameConditioner, GivenFramesConditioner, ImageConcatConditioner
-from .options import ImageToVideoOptions
+from ..models import AutoencoderTinyWan, WanCausalTransformer3DModel
+from ..settings import RolloutSettings
 from .pipeline_wan_causal import WanCausalPipeline
-from .rollout import RolloutShape
-from .streaming_decode import latent_statistics
+from .rollout.conditioning import Conditioner, FirstFrameConditioner, GivenFramesConditioner, ImageConcatConditioner
+from .rollout.core import RolloutShape
+from .rollout.options import ImageToVideoOptions, call_options
+from .video_io.clips import clip_frames, clip_layout
+from .video_io.streaming_decode import latent_statistics
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 
@@ -146,7 +147,9 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
     """
 
     model_cpu_offload_seq = "text_encoder->image_encoder->transformer->vae"
-    _optional_components = ["tokenizer", "text_encoder", "transformer", "image_processor", "image_encoder"]
+    _optional_components = [
+        "tokenizer", "text_encoder", "transformer", "decoder", "image_processor", "image_encoder"
+    ]  # fmt: skip
     _options_class = ImageToVideoOptions
 
     def __init__(
@@ -173,11 +176,12 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         sink_decay: float = 0.999,
         # Krea's re-encoded anchor (recompute)
         keep_first_frame: bool = False,
+        decoder: AutoencoderTinyWan | None = None,
     ):
         super().__init__(
             tokenizer, text_encoder, vae, scheduler, transformer, timesteps, context_noise, first_chunk_timesteps,
             attention_window, sink_frames, kv_cache_policy, context_frames, kv_cache_attention_bias,
-            rope_positions, sink_update, sink_decay, keep_first_frame,
+            rope_positions, sink_update, sink_decay, keep_first_frame, decoder,
         )  # fmt: skip
         self.register_modules(image_processor=image_processor, image_encoder=image_encoder)
         self.register_to_config(expand_timesteps=expand_timesteps)
@@ -455,6 +459,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         kv_cache_attention_bias: float | None = None,
         keep_first_frame: bool | None = None,
         prompt_transition_chunks: int = 0,
+        settings: RolloutSettings | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for generation.
@@ -548,6 +553,10 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 out, with its settings).
             kv_cache_attention_bias (`float`, *optional*), prompt_transition_chunks (`int`, defaults to `0`):
                 The attention bias on cached frames and blended prompt switches, as in [`WanCausalPipeline.__call__`].
+            settings ([`~fastgen_diffusers.settings.RolloutSettings`], *optional*):
+                The call's settings as one value (sampling, cache, policy, prompt schedule); the flat arguments above
+                override it where they differ from their defaults, and the pipeline's stored settings fill what
+                neither sets.
 
         Examples:
 
@@ -555,47 +564,4 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`: the frames (`frames`), the given image
             or clip first (as the VAE reconstructs it), or `(frames,)` when `return_dict` is `False`.
         """
-        return self.generate(
-            ImageToVideoOptions(
-                image=image,
-                prompt=prompt,
-                negative_prompt=negative_prompt,
-                video=video,
-                height=height,
-                width=width,
-                num_frames=num_frames,
-                num_inference_steps=num_inference_steps,
-                timesteps=timesteps,
-                sigmas=sigmas,
-                first_chunk_timesteps=first_chunk_timesteps,
-                guidance_scale=guidance_scale,
-                chunk_size=chunk_size,
-                context_noise=context_noise,
-                generator=generator,
-                latents=latents,
-                prompt_embeds=prompt_embeds,
-                negative_prompt_embeds=negative_prompt_embeds,
-                image_embeds=image_embeds,
-                output_type=output_type,
-                return_dict=return_dict,
-                attention_kwargs=attention_kwargs,
-                callback_on_step_end=callback_on_step_end,
-                callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-                max_sequence_length=max_sequence_length,
-                keep_cache=keep_cache,
-                recache=recache,
-                attention_window=attention_window,
-                sink_frames=sink_frames,
-                kv_cache_engine=kv_cache_engine,
-                num_videos_per_prompt=num_videos_per_prompt,
-                rope_positions=rope_positions,
-                sink_update=sink_update,
-                sink_decay=sink_decay,
-                kv_cache_dtype=kv_cache_dtype,
-                kv_cache_policy=kv_cache_policy,
-                context_frames=context_frames,
-                kv_cache_attention_bias=kv_cache_attention_bias,
-                keep_first_frame=keep_first_frame,
-                prompt_transition_chunks=prompt_transition_chunks,
-            )
-        )
+        return self.generate(call_options(ImageToVideoOptions, locals()))

@@ -32,21 +32,21 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils import logging, replace_example_docstring
 
 from ..chunking import chunk_bounds
-from .arguments import require_transformer
-from .conditioning import Conditioner
-from .guard import exclusive_rollout
-from .kv_cache_options import check_sink_update_fits_chunks, check_window_fits_chunks
-from .options import RolloutOptions
+from ..settings import RolloutSettings
 from .pipeline_wan_causal import WanCausalPipeline
-from .policy_v2v import RecomputeVideoToVideoPolicy, VideoChunkPlan, VideoToVideoPolicy
-from .prompts import check_transition_embeds
-from .rollout import RolloutRun, RolloutShape
-from .session import history_to_keep
-from .streaming_encode import StreamingWanEncoder
-from .strength import StrengthInput, StrengthSchedule
-from .validation import validate_call_arguments
-from .video_latents import VideoToVideoSource
-from .video_source import VideoChunker, chunk_num_frames
+from .rollout.arguments import require_transformer
+from .rollout.conditioning import Conditioner
+from .rollout.core import RolloutRun, RolloutShape
+from .rollout.guard import exclusive_rollout
+from .rollout.options import RolloutOptions, call_options
+from .rollout.policy_v2v import RecomputeVideoToVideoPolicy, VideoChunkPlan, VideoToVideoPolicy
+from .rollout.prompts import check_transition_embeds
+from .rollout.session import history_to_keep
+from .rollout.strength import StrengthInput, StrengthSchedule
+from .rollout.validation import validate_call_arguments
+from .rollout.video_latents import VideoToVideoSource
+from .video_io.autoencoders import streaming_encoder
+from .video_io.video_source import VideoChunker, chunk_num_frames
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 
@@ -183,7 +183,6 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             raise ValueError("`keep_cache` is not supported for video-to-video: its input cannot be continued.")
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         strength = StrengthSchedule(options.strength)
-        self.check_policy_inputs(options, prompt_schedule)  # before a live video's first frames are taken
         chunker = self.video_chunker(options)
         known = chunker.num_chunks is not None
         num_frames = chunker.num_used_frames if known else chunker.chunk_num_frames(0)
@@ -191,9 +190,13 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         self.check_inputs(replace(options, latents=None, num_frames=num_frames), shape, batch_size)
         self.check_noise(options.latents, shape, batch_size, known)
         bounds = self.video_chunk_bounds(chunker, max(prompt_schedule, default=0))
-        check_window_fits_chunks(options.attention_window, options.sink_frames, bounds)
-        if known:
-            check_sink_update_fits_chunks(options.attention_window, options.sink_frames, options.sink_update, bounds)
+        ema_bounds = bounds
+        if not known and options.attention_window is not None:
+            # An iterator's chunks after the first all have one size, so the chunks up to a few past the first full
+            # window meet every eviction the stream will: check them before the first forward.
+            horizon = options.attention_window + 3 * chunker.chunk_latent_frames
+            ema_bounds = self.video_chunk_bounds(chunker, chunk_num_frames(horizon, True, chunker.temporal_factor))
+        options.settings.cache.check_chunks(ema_bounds)
 
         # 2. Encode input prompt
         device = self._execution_device
@@ -212,7 +215,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         plan = VideoChunkPlan(schedule, first_schedule, chunker.num_chunks)
         source = VideoToVideoSource(
             chunker,
-            StreamingWanEncoder(self.vae),
+            streaming_encoder(self.vae),
             strength,
             batch_size=batch_size,
             device=device,
@@ -299,6 +302,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         kv_cache_attention_bias: float | None = None,
         keep_first_frame: bool | None = None,
         prompt_transition_chunks: int = 0,
+        settings: RolloutSettings | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         The call function to the pipeline for video-to-video generation.
@@ -341,6 +345,10 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 does not take.
             rope_positions, sink_update, sink_decay:
                 Window-relative RoPE and the EMA sink, as in [`WanCausalPipeline.__call__`].
+            settings ([`~fastgen_diffusers.settings.RolloutSettings`], *optional*):
+                The call's settings as one value (sampling, cache, policy, prompt schedule); the flat arguments above
+                override it where they differ from their defaults, and the pipeline's stored settings fill what
+                neither sets.
 
         Examples:
 
@@ -348,43 +356,4 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`: the restyled frames (`frames`, the
             frames of the complete chunks), or `(frames,)` when `return_dict` is `False`.
         """
-        return self.generate(
-            VideoToVideoOptions(
-                prompt=prompt,
-                video=video,
-                strength=strength,
-                negative_prompt=negative_prompt,
-                height=height,
-                width=width,
-                num_inference_steps=num_inference_steps,
-                timesteps=timesteps,
-                sigmas=sigmas,
-                first_chunk_timesteps=first_chunk_timesteps,
-                guidance_scale=guidance_scale,
-                chunk_size=chunk_size,
-                context_noise=context_noise,
-                generator=generator,
-                latents=latents,
-                prompt_embeds=prompt_embeds,
-                negative_prompt_embeds=negative_prompt_embeds,
-                output_type=output_type,
-                return_dict=return_dict,
-                attention_kwargs=attention_kwargs,
-                callback_on_step_end=callback_on_step_end,
-                callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-                max_sequence_length=max_sequence_length,
-                recache=recache,
-                attention_window=attention_window,
-                sink_frames=sink_frames,
-                kv_cache_engine=kv_cache_engine,
-                rope_positions=rope_positions,
-                sink_update=sink_update,
-                sink_decay=sink_decay,
-                kv_cache_dtype=kv_cache_dtype,
-                kv_cache_policy=kv_cache_policy,
-                context_frames=context_frames,
-                kv_cache_attention_bias=kv_cache_attention_bias,
-                keep_first_frame=keep_first_frame,
-                prompt_transition_chunks=prompt_transition_chunks,
-            )
-        )
+        return self.generate(call_options(VideoToVideoOptions, locals()))

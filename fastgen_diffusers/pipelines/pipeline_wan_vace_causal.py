@@ -13,12 +13,13 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.pipelines.wan.pipeline_wan_vace import WanVACEPipeline
 from transformers import AutoTokenizer, UMT5EncoderModel
 
-from ..models import VACEHintCache, WanCausalVACETransformer3DModel
-from .clips import clip_layout, first_frames
-from .conditioning import VACEConditioner
-from .options import VACEOptions
+from ..models import AutoencoderTinyWan, VACEHintCache, WanCausalVACETransformer3DModel
+from ..settings import RolloutSettings
 from .pipeline_wan_causal import WanCausalPipeline, _model_config, _share_weights
-from .rollout import RolloutShape
+from .rollout.conditioning import VACEConditioner
+from .rollout.core import RolloutShape
+from .rollout.options import VACEOptions, call_options
+from .video_io.clips import clip_layout, first_frames
 
 REFERENCE_MODES = ("RGB", "L")
 
@@ -39,7 +40,8 @@ class WanCausalVACEPipeline(WanCausalPipeline):
     Same conventions as [`WanCausalPipeline`] (loading, prompts, schedule, CFG, outputs, errors; the rollout is the
     shared rollout of [`CausalRolloutMixin`]; a kept rollout can be continued past the control video, which then
     grows with black frames under a white mask). The control inputs are prepared as [`WanVACEPipeline`] does (its own
-    methods): the masked inactive/reactive VAE latents (32 channels), the mask folded to 64 channels, and reference
+    methods): the masked inactive/reactive VAE latents (32 channels), the mask folded to 64 channels (latent frame by
+    latent frame, [`prepare_masks`], so a chunk's control never depends on the call's length), and reference
     images prepended along time as extra leading latent frames, which are generated with the video and dropped
     before decoding. Each forward of chunk ``[s, e)`` receives the control latents ``[:, :, s:e]``.
 
@@ -75,11 +77,12 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         sink_decay: float = 0.999,
         # Krea's re-encoded anchor (recompute)
         keep_first_frame: bool = False,
+        decoder: AutoencoderTinyWan | None = None,
     ):
         super().__init__(
             tokenizer, text_encoder, vae, scheduler, transformer, timesteps, context_noise, first_chunk_timesteps,
             attention_window, sink_frames, kv_cache_policy, context_frames, kv_cache_attention_bias,
-            rope_positions, sink_update, sink_decay, keep_first_frame,
+            rope_positions, sink_update, sink_decay, keep_first_frame, decoder,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ loading
@@ -95,7 +98,23 @@ class WanCausalVACEPipeline(WanCausalPipeline):
     # ------------------------------------------------------------------ control inputs (diffusers' VACE code)
     preprocess_conditions = WanVACEPipeline.preprocess_conditions
     prepare_video_latents = WanVACEPipeline.prepare_video_latents
-    prepare_masks = WanVACEPipeline.prepare_masks
+
+    def prepare_masks(
+        self,
+        mask: torch.Tensor,
+        reference_images: list[list[torch.Tensor]] | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+    ) -> torch.Tensor:
+        """[`WanVACEPipeline.prepare_masks`] latent frame by latent frame: latent frame ``i`` takes the mask of its
+        own pixel frames (frame 0 for the first, ``[4i - 3, 4i]`` after it), so a chunk's control does not depend on
+        the length of the call (diffusers resamples the whole mask over time, nearest-exact, so a time-varying mask
+        would give the first chunks of a 21- and a 45-frame call, or a kept rollout and its continuation, different
+        masks). ``mask`` is ``(1, 1, F, H, W)`` pixels, ``F = 1 + 4k``; returns ``(1, 64, refs + 1 + k, h, w)``."""
+        temporal = self.vae_scale_factor_temporal
+        groups = [mask[:, :, :1]] + [mask[:, :, s : s + temporal] for s in range(1, mask.shape[2], temporal)]
+        folded = [WanVACEPipeline.prepare_masks(self, groups[0], reference_images, generator)]
+        folded += [WanVACEPipeline.prepare_masks(self, group, [[]], generator) for group in groups[1:]]  # no refs
+        return torch.cat(folded, dim=2)
 
     def check_vace_inputs(
         self,
@@ -280,6 +299,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         kv_cache_attention_bias: float | None = None,
         keep_first_frame: bool | None = None,
         prompt_transition_chunks: int = 0,
+        settings: RolloutSettings | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         Generate a video steered by a control video, its mask and reference images.
@@ -317,54 +337,10 @@ class WanCausalVACEPipeline(WanCausalPipeline):
                 out, with its settings).
             kv_cache_attention_bias (`float`, *optional*), prompt_transition_chunks (`int`, defaults to `0`):
                 The attention bias on cached frames and blended prompt switches, as in [`WanCausalPipeline.__call__`].
+            settings ([`~fastgen_diffusers.settings.RolloutSettings`], *optional*):
+                The call's settings as one value, as in [`WanCausalPipeline.__call__`].
 
         Returns:
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`, as [`WanCausalPipeline`].
         """
-        return self.generate(
-            VACEOptions(
-                prompt=prompt,
-                negative_prompt=negative_prompt,
-                video=video,
-                mask=mask,
-                reference_images=reference_images,
-                conditioning_scale=conditioning_scale,
-                height=height,
-                width=width,
-                num_frames=num_frames,
-                num_inference_steps=num_inference_steps,
-                timesteps=timesteps,
-                sigmas=sigmas,
-                first_chunk_timesteps=first_chunk_timesteps,
-                guidance_scale=guidance_scale,
-                chunk_size=chunk_size,
-                context_noise=context_noise,
-                generator=generator,
-                latents=latents,
-                prompt_embeds=prompt_embeds,
-                negative_prompt_embeds=negative_prompt_embeds,
-                output_type=output_type,
-                return_dict=return_dict,
-                attention_kwargs=attention_kwargs,
-                callback_on_step_end=callback_on_step_end,
-                callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-                max_sequence_length=max_sequence_length,
-                keep_cache=keep_cache,
-                recache=recache,
-                vace_hint_refresh_interval=vace_hint_refresh_interval,
-                allow_lossy=allow_lossy,
-                attention_window=attention_window,
-                sink_frames=sink_frames,
-                kv_cache_engine=kv_cache_engine,
-                num_videos_per_prompt=num_videos_per_prompt,
-                rope_positions=rope_positions,
-                sink_update=sink_update,
-                sink_decay=sink_decay,
-                kv_cache_dtype=kv_cache_dtype,
-                kv_cache_policy=kv_cache_policy,
-                context_frames=context_frames,
-                kv_cache_attention_bias=kv_cache_attention_bias,
-                keep_first_frame=keep_first_frame,
-                prompt_transition_chunks=prompt_transition_chunks,
-            )
-        )
+        return self.generate(call_options(VACEOptions, locals()))

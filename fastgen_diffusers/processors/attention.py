@@ -1,11 +1,13 @@
 """Causal attention processors for Wan self- and cross-attention.
 
-The processors are stateless and never name a branch or an engine: the model decides, once per forward and outside
-any compiled region, what each block's attention reads and writes (:class:`BlockAttentionInputs`: tensors and a few
-flags), and the causal blocks hand it to both processors (``causal_context=...``; diffusers' Wan blocks forward no
-extra arguments to processors). So a block's forward holds no data-pointer or Python-object comparisons, no
-``.item()`` and no cache bookkeeping, and compiles with ``fullgraph=True``; the model does the bookkeeping after the
-blocks have run.
+The processors are stateless and never name a branch or a policy. Each one resolves the engine that owns the module
+it runs for (:meth:`~fastgen_diffusers.context.CausalContext.resolve_registered_engine`, the routing rule) and reads
+what the model prepared for that engine's block in this forward (:class:`BlockAttentionInputs`: tensors and a few
+flags), through the block's :class:`~fastgen_diffusers.context.CausalBlockView` (``causal_context=...``; diffusers'
+Wan blocks forward no extra arguments to processors). The model decides those inputs once per forward, outside any
+compiled region, and does the bookkeeping after the blocks have run; the lookup keys on the branch's engine, never on
+the module, so a block's forward holds no data-pointer comparisons, no ``.item()`` and no cache bookkeeping, and one
+``fullgraph=True`` graph serves every block.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import _get_added_kv_projections, _get_qkv_projections
 from diffusers.utils import logging
 
+from ..context import CausalBlockView
 from ..kv_cache import CrossKVMode
 from ..kv_cache.masks import AttentionBias
 from ..parallel import context_parallel_config, heads_to_sequence, sequence_to_heads
@@ -119,13 +122,15 @@ class BlockAttentionInputs:
     num_frames: int = 1
 
 
-def _require_context(causal_context: BlockAttentionInputs | None, processor: object) -> BlockAttentionInputs:
-    if not isinstance(causal_context, BlockAttentionInputs):
+def _block_inputs(causal_context: CausalBlockView | None, attn, processor: object) -> BlockAttentionInputs:
+    """The inputs of ``attn``'s block, from the engine that registered ``attn`` (the routing rule)."""
+    if not isinstance(causal_context, CausalBlockView):
         raise RuntimeError(
             f"{type(processor).__name__} needs a `causal_context`; it runs inside WanCausalTransformer3DModel's "
             "causal blocks, which pass it. Use `set_default_attn_processor()` to go back to stock Wan attention."
         )
-    return causal_context
+    engine = causal_context.resolve_registered_engine(attn)
+    return causal_context.prepared_inputs(engine, attn)
 
 
 def rms_norm_fp32(norm: torch.nn.RMSNorm, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -233,9 +238,9 @@ class WanCausalAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: torch.Tensor | None = None,
         *,
-        causal_context: BlockAttentionInputs | None = None,
+        causal_context: CausalBlockView | None = None,
     ) -> torch.Tensor:
-        block_inputs = _require_context(causal_context, self)
+        block_inputs = _block_inputs(causal_context, attn, self)
         inputs = block_inputs.self_attn
 
         query, key, value = _get_qkv_projections(attn, hidden_states, None)  # (B, L, H*D)
@@ -312,9 +317,9 @@ class WanCausalCrossAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: torch.Tensor | None = None,
         *,
-        causal_context: BlockAttentionInputs | None = None,
+        causal_context: CausalBlockView | None = None,
     ) -> torch.Tensor:
-        inputs = _require_context(causal_context, self).cross_attn
+        inputs = _block_inputs(causal_context, attn, self).cross_attn
 
         query = rms_norm_fp32(attn.norm_q, attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
         if inputs.mode is CrossKVMode.READ:

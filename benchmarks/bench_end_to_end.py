@@ -1,0 +1,319 @@
+"""End to end: prompt to decoded frames, per stage and in total, against the memory plan.
+
+Every figure counts, for one video of ``--num-frames`` frames from a text prompt (random weights):
+
+* **text**: tokenizing and encoding the prompt (UMT5; offloaded: held on the CPU, each layer streamed to the GPU
+  while it runs, diffusers' ``apply_group_offloading(offload_type="leaf_level", use_stream=True)``);
+* **denoise**: every chunk's denoising steps and its cache pass (``pipe.stream(..., output_type="latent")``, the time
+  between the chunks it yields), per chunk and in total;
+* **decode**: every chunk's streamed decode to pixels in [-1, 1] (the Wan VAE through ``StreamingWanDecoder``, the tiny
+  decoder ``AutoencoderTinyWan.decode_chunk``), per chunk and in total, run after the chunk's denoising
+  (serial rows);
+* **total**: text + denoise + decode, from the prompt to the last frame; frames/s = pixel frames / total; time to the
+  first frame = text + the first chunk's denoise + its decode; per-chunk latency = a chunk's denoise + its decode;
+* **peak** (CUDA): ``torch.cuda.max_memory_allocated`` over the timed run, against the plan's total
+  (:func:`fastgen_diffusers.memory_plan.plan_rollout_memory`, printed before anything is built).
+
+Not counted: building the components, the warm-up run, post-processing frames to uint8 or writing a file.
+
+Scales: ``tiny`` (the smoke test, seconds); ``small`` (the CPU default: a 4-layer dim-128 transformer, a small UMT5,
+the Wan2.1 VAE's architecture at a quarter of its width (the full one decodes 33 frames at 64x64 in about 100 s on
+one CPU thread, 98% of the run), the tiny decoder at full size, 64x64); ``1.3b`` / ``14b`` (Wan2.1-1.3B / Krea
+Realtime 14B shapes, the UMT5-XXL encoder and the Wan2.1 VAE, 480x832, 81 frames, bf16; for a GPU). ``14b``
+defaults to FP8 weights (torchao float8 dynamic activation + weight, per row; Hopper or newer), Krea's recompute
+policy (context 3) and the text encoder offloaded. ``--memory-cap 24`` caps the process at 24 GiB
+(``torch.cuda.set_per_process_memory_fraction``). On CPU the figures are the shares of each stage at that size, not
+speeds to quote.
+
+Usage: ``python benchmarks/bench_end_to_end.py`` (CPU, small); ``python benchmarks/bench_end_to_end.py --scale 1.3b``
+and ``--scale 14b --memory-cap 24`` on a GPU (see ``benchmarks/gpu_run.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from accelerate import init_empty_weights
+from diffusers import AutoencoderKLWan
+from transformers import UMT5Config, UMT5EncoderModel
+
+from fastgen_diffusers import WanCausalPipeline, WanCausalTransformer3DModel
+from fastgen_diffusers.memory_plan import GIB, UMT5_XXL, WAN_1_3B, WAN_14B, plan_rollout_memory
+from fastgen_diffusers.models.autoencoder_tiny_wan import AutoencoderTinyWan, TinyWanStreamState
+from fastgen_diffusers.pipelines.video_io.streaming_decode import StreamingWanDecoder
+from fastgen_diffusers.testing import tiny_scheduler, tiny_tokenizer
+
+PROMPT = "a cat walks on the grass, realistic"
+TIMESTEPS = [1000.0, 937.5, 833.3, 625.0]
+TINY_TRANSFORMER = {**WAN_1_3B, "num_attention_heads": 2, "attention_head_dim": 32, "ffn_dim": 64, "num_layers": 2}
+SMALL_TRANSFORMER = {**WAN_1_3B, "num_attention_heads": 4, "attention_head_dim": 32, "ffn_dim": 256, "num_layers": 4}
+TINY_VAE = {"base_dim": 3, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1}
+SCALES = {
+    # transformer, text encoder (UMT5 config), VAE config, height, width, frames
+    "tiny": (
+        {**TINY_TRANSFORMER, "text_dim": 32},
+        {"vocab_size": 64, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4},
+        {**TINY_VAE, "temperal_downsample": [False, True, True]},
+        32, 32, 21,
+    ),
+    "small": (
+        {**SMALL_TRANSFORMER, "text_dim": 64},
+        {"vocab_size": 64, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4},
+        {"base_dim": 24},
+        64, 64, 33,
+    ),
+    "1.3b": (WAN_1_3B, UMT5_XXL, {}, 480, 832, 81),
+    "14b": (WAN_14B, UMT5_XXL, {}, 480, 832, 81),
+}  # fmt: skip
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+WEIGHTS = ("compute", "float8", "int8")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def materialize(module: torch.nn.Module, device: torch.device, dtype: torch.dtype, quantize=None) -> None:
+    """Give a module built under ``accelerate.init_empty_weights()`` (parameters on the meta device, buffers real)
+    random weights on ``device`` in ``dtype``, one block at a time (a 14B transformer never exists in full precision),
+    quantizing each block's linears with torchao's ``quantize_(block, quantize)`` as it lands (the configs diffusers'
+    ``TorchAoConfig`` applies)."""
+    parts = [b for c in module.children() for b in (c if isinstance(c, torch.nn.ModuleList) else [c])]
+    for part in parts:
+        materialize(part, device, dtype)
+        if quantize is not None and any(isinstance(m, torch.nn.Linear) for m in part.modules()):
+            from torchao.quantization import quantize_
+
+            quantize_(part, quantize)
+    for name, param in list(module.named_parameters(recurse=False)):
+        if name.endswith("bias"):
+            value = torch.zeros(param.shape, device=device, dtype=dtype)
+        elif param.ndim >= 2:
+            value = torch.randn(param.shape, device=device, dtype=dtype) * param[0].numel() ** -0.5
+        else:
+            value = torch.ones(param.shape, device=device, dtype=dtype)
+        setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+    module.to(device)  # buffers
+
+
+def quantization_config(weights: str, device: torch.device):
+    """torchao's config for ``--weights`` (``None`` for the compute dtype). FP8 matmuls need compute capability 8.9
+    (Ada) or newer: anything else is refused before the weights are built."""
+    if weights == "compute":
+        return None
+    if weights == "float8" and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
+        raise ValueError("`--weights float8` needs a CUDA device of compute capability >= 8.9 (Ada, Hopper or newer).")
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, Int8WeightOnlyConfig, PerRow
+
+    if weights == "float8":
+        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    return Int8WeightOnlyConfig()
+
+
+def build_pipeline(args, device: torch.device, dtype: torch.dtype, quantize) -> WanCausalPipeline:
+    transformer_config, text_config, vae_config, *_ = SCALES[args.scale]
+    tokenizer = tiny_tokenizer()
+    with init_empty_weights():
+        text_encoder = UMT5EncoderModel(UMT5Config(**text_config, num_decoder_layers=0, dropout_rate=0.0))
+        transformer = WanCausalTransformer3DModel(**transformer_config, chunk_size=3)
+        vae = AutoencoderKLWan(**vae_config)
+    materialize(text_encoder, torch.device("cpu") if args.offload_text_encoder else device, dtype)
+    if args.offload_text_encoder and device.type == "cuda":
+        # diffusers' group offloading: each leaf module visits the device while it runs (streamed, pinned)
+        from diffusers.hooks import apply_group_offloading
+
+        apply_group_offloading(text_encoder, onload_device=device, offload_type="leaf_level", use_stream=True)
+    materialize(transformer, device, dtype, quantize)
+    materialize(vae, device, dtype)
+    pipe = WanCausalPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder.eval(),
+        vae=vae.eval(),
+        scheduler=tiny_scheduler(),
+        transformer=transformer.eval(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+class TinyStream:
+    """The tiny decoder's stream as a context manager with ``decode(latents)`` (``StreamingWanDecoder``'s surface)."""
+
+    def __init__(self, decoder: AutoencoderTinyWan) -> None:
+        self.decoder, self.state = decoder, TinyWanStreamState()
+
+    def __enter__(self) -> TinyStream:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.state = None
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.decoder.decode_chunk(latents, self.state)
+
+
+def stream_decoder(pipe: WanCausalPipeline, tiny, kind: str):
+    """A context manager whose value decodes the next latent chunk to pixels (``kind``: ``"wan"`` or ``"tiny"``)."""
+    return StreamingWanDecoder(pipe.vae) if kind == "wan" else TinyStream(tiny)
+
+
+def encode_text(pipe: WanCausalPipeline, device: torch.device) -> torch.Tensor:
+    """Prompt embeds on ``device`` (an offloaded encoder's layers visit the device through its offloading hooks)."""
+    return pipe.encode_prompt(PROMPT, do_classifier_free_guidance=False, max_sequence_length=512, device=device)[0]
+
+
+def run_serial(pipe, tiny, args, device, dtype, kind: str) -> dict:
+    """One end-to-end run: text, then every chunk's denoising + cache pass followed by its decode."""
+    _, _, _, height, width, num_frames = SCALES[args.scale]
+    height, width, num_frames = args.height or height, args.width or width, args.num_frames or num_frames
+    policy = {}
+    if args.policy == "recompute":
+        policy = {"kv_cache_policy": "recompute", "context_frames": 3, "keep_first_frame": True}
+    synchronize(device)
+    begin = time.perf_counter()
+    embeds = encode_text(pipe, device)
+    synchronize(device)
+    text = time.perf_counter() - begin
+    denoise, decode, frames = [], [], 0
+    first_frame = None
+    last = time.perf_counter()
+    with stream_decoder(pipe, tiny, kind) as decoder:
+        stream = pipe.stream(
+            prompt_embeds=embeds.to(dtype), height=height, width=width, num_frames=num_frames, timesteps=TIMESTEPS,
+            output_type="latent", generator=torch.Generator().manual_seed(0), **policy,
+        )  # fmt: skip
+        for record in stream:
+            synchronize(device)
+            now = time.perf_counter()
+            denoise.append(now - last)
+            pixels = decoder.decode(record.latents.to(dtype))
+            synchronize(device)
+            last = time.perf_counter()
+            decode.append(last - now)
+            frames += pixels.shape[2]
+            if first_frame is None:
+                first_frame = last - begin
+    return {
+        "text": text,
+        "denoise": denoise,
+        "decode": decode,
+        "total": last - begin,
+        "first_frame": first_frame,
+        "frames": frames,
+    }
+
+
+def describe(label: str, runs: list[dict], device: torch.device, plan_total: int, peak: int | None) -> str:
+    """One line: medians over ``runs`` of each stage and the totals."""
+    median = statistics.median
+    text = median(r["text"] for r in runs)
+    denoise = median(sum(r["denoise"]) for r in runs)
+    decode = median(sum(r["decode"]) for r in runs)
+    total = median(r["total"] for r in runs)
+    first = median(r["first_frame"] for r in runs)
+    run = runs[len(runs) // 2]
+    latency = [a + b for a, b in zip(run["denoise"], run["decode"])]
+    line = (
+        f"[{label}] {run['frames']} frames in {total:.3f} s = {run['frames'] / total:.2f} frames/s; first frame after "
+        f"{first:.3f} s; per chunk (denoise + decode) first {latency[0]:.3f} s, median {median(latency):.3f} s, "
+        f"max {max(latency):.3f} s; text {text:.3f} s, denoise {denoise:.3f} s ({len(run['denoise'])} chunks), "
+        f"decode {decode:.3f} s; shares: text {100 * text / total:.1f}%, denoise {100 * denoise / total:.1f}%, "
+        f"decode {100 * decode / total:.1f}% (median of {len(runs)})"
+    )
+    if peak is not None:
+        line += f"; peak {peak / GIB:.2f} GiB vs plan {plan_total / GIB:.2f} GiB (ratio {peak / plan_total:.2f})"
+    return line
+
+
+def section(name: str, fn, *args) -> None:
+    """Run one row; a failure is one line and the script goes on."""
+    try:
+        fn(*args)
+    except Exception as error:  # noqa: BLE001  (a benchmark reports and continues)
+        message = " ".join(str(error).split())[:300]
+        print(f"[{name}] FAILED: {type(error).__name__}: {message}", flush=True)
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", choices=sorted(SCALES), default=None, help="default: 1.3b on CUDA, small on CPU")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32"
+    )
+    parser.add_argument("--weights", choices=WEIGHTS, default=None, help="linear weights (14b default: float8)")
+    parser.add_argument("--policy", choices=("sequential", "recompute"), default=None, help="14b default: recompute")
+    parser.add_argument("--offload-text-encoder", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--memory-cap", type=float, default=None, help="GiB (CUDA)")
+    parser.add_argument("--height", type=int, default=None)
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--num-frames", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row")
+    parser.add_argument("--warmups", type=int, default=1, help="untimed runs per row first")
+    parser.add_argument("--decoders", default="wan,tiny", help="rows to run: wan, tiny")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    args.scale = args.scale or ("1.3b" if device.type == "cuda" else "small")
+    big = args.scale == "14b"
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    args.weights = args.weights or ("float8" if big else "compute")
+    args.policy = args.policy or ("recompute" if big else "sequential")
+    args.offload_text_encoder = big if args.offload_text_encoder is None else args.offload_text_encoder
+    transformer_config, _, _, height, width, num_frames = SCALES[args.scale]
+    height, width, num_frames = args.height or height, args.width or width, args.num_frames or num_frames
+    kinds = args.decoders.split(",")
+    if not kinds or set(kinds) - {"wan", "tiny"}:
+        raise ValueError(f"`--decoders` must name `wan` and/or `tiny`, got {args.decoders!r}.")
+
+    name = str(dtype).removeprefix("torch.")
+    weight_dtype = {"compute": name, "float8": "float8_e4m3fn", "int8": "int8"}[args.weights]
+    plan = plan_rollout_memory(
+        transformer_config, height=height, width=width, num_frames=num_frames, weight_dtype=weight_dtype,
+        compute_dtype=name, kv_cache_policy=args.policy, context_frames=3 if args.policy == "recompute" else None,
+        text_encoder_parameters=None if args.scale in ("1.3b", "14b") else 0,
+        text_encoder_offloaded=args.offload_text_encoder, decoder="tiny" if "tiny" in kinds else "wan",
+        description=f"{args.scale}, {weight_dtype} weights, {args.policy}, text encoder "
+        f"{'offloaded' if args.offload_text_encoder else 'on the device'}, {width}x{height}, {num_frames} frames",
+    )  # fmt: skip
+    print(plan.summary(), flush=True)
+    quantize = quantization_config(args.weights, device)  # refuses FP8 where it cannot run, before any weight
+    if args.memory_cap is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap * GIB / total), device)
+        print(f"memory capped at {args.memory_cap:g} GiB of {total / GIB:.0f} GiB", flush=True)
+    begin = time.perf_counter()
+    pipe = build_pipeline(args, device, dtype, quantize)
+    tiny = None
+    if "tiny" in kinds:
+        with init_empty_weights():
+            tiny = AutoencoderTinyWan()
+        materialize(tiny, device, dtype)
+        tiny.eval()
+    print(
+        f"{args.scale}: {transformer_config['num_layers']} layers, dim "
+        f"{transformer_config['num_attention_heads'] * transformer_config['attention_head_dim']}, weights "
+        f"{args.weights}, {name}, {device}, policy {args.policy}; built in {time.perf_counter() - begin:.1f} s",
+        flush=True,
+    )
+
+    def row(kind: str) -> None:
+        for _ in range(args.warmups):
+            run_serial(pipe, tiny, args, device, dtype, kind)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        runs = [run_serial(pipe, tiny, args, device, dtype, kind) for _ in range(args.repeats)]
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        label = {"wan": "wan vae, serial", "tiny": "tiny decoder, serial"}[kind]
+        print(describe(label, runs, device, plan.total, peak), flush=True)
+
+    for kind in kinds:
+        section(kind, row, kind)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""What every ``fastgen-diffusers`` subcommand shares: the usage error, flag names, and readers of a model
+directory's JSON files (its chunk layout and stored sampling settings), so that a command line is checked before any
+model loads. Imports neither torch nor the pipelines.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TEMPORAL_FACTOR = 4  # Wan VAEs: 4k+1 pixel frames encode to k+1 latent frames
+# The chunk layout of the built-in tiny random models (fastgen_diffusers.testing; tests/test_cli.py keeps them equal):
+# the text- and video-to-video and VACE students chunk by 3 latent frames, the image-to-video one takes its first
+# frame alone.
+TINY_LAYOUT = {"chunk_size": 3, "independent_first_frame": False, "rope_max_seq_len": 1024, "t2v_student": True}
+TINY_I2V_LAYOUT = {**TINY_LAYOUT, "independent_first_frame": True}
+# A Wan transformer config's defaults for what a layout reads (diffusers' WanTransformer3DModel, the causal subclass).
+LAYOUT_DEFAULTS = {"chunk_size": 3, "independent_first_frame": False, "rope_max_seq_len": 1024}
+
+
+class UsageError(ValueError):
+    """A bad command line: ``cli.main`` prints it as one line (no traceback) and exits with status 2."""
+
+
+def flag(name: str) -> str:
+    """``"num_frames"`` -> ``"--num-frames"``."""
+    return "--" + name.replace("_", "-")
+
+
+def latent_frames(num_frames: int) -> int:
+    """Latent frames of ``num_frames`` (4k+1) pixel frames."""
+    return (num_frames - 1) // TEMPORAL_FACTOR + 1
+
+
+def read_model_json(model: str | None, filename: str) -> dict | None:
+    """``filename`` (e.g. ``"model_index.json"``) of ``--model`` as a dict, from its directory or the Hugging Face
+    cache; ``None`` when it is not at hand or does not parse (the loader reports that)."""
+    path = Path(model).expanduser() / filename
+    if not path.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(model, filename)
+        except Exception:  # noqa: BLE001  (an id the Hub client refuses: the loader reports it)
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def stored_settings(model: str | None) -> dict | None:
+    """The sampling settings ``--model`` stores (pipeline config fields of its ``model_index.json``); ``{}`` for the
+    built-in tiny model (it stores none); ``None`` when the file is not at hand (the pipeline checks then)."""
+    return {} if model is None else read_model_json(model, "model_index.json")
+
+
+def transformer_layout(model: str | None, image_to_video: bool = False) -> dict[str, Any] | None:
+    """``chunk_size``, ``independent_first_frame`` and ``rope_max_seq_len`` of ``--model``'s transformer, and whether
+    it is a T2V student (``t2v_student``: it takes an image or clip as its first chunks), read from its
+    ``transformer/config.json``; the built-in tiny model's without ``--model`` (``image_to_video``: the tiny
+    image-to-video student's); ``None`` when the config is not at hand or holds something else (the pipeline checks
+    then)."""
+    if model is None:
+        return dict(TINY_I2V_LAYOUT if image_to_video else TINY_LAYOUT)
+    config = read_model_json(model, "transformer/config.json")
+    if config is None:
+        return None
+    layout = {name: config.get(name, default) for name, default in LAYOUT_DEFAULTS.items()}
+    chunk, table, first = layout["chunk_size"], layout["rope_max_seq_len"], layout["independent_first_frame"]
+    for value in (chunk, table):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return None
+    # a T2V student (as many input as output channels, no image tokens) takes an image or clip as its first chunks
+    channels = config.get("in_channels", 16), config.get("out_channels", 16)
+    layout["t2v_student"] = channels[0] == channels[1] and config.get("image_dim") is None
+    return layout if isinstance(first, bool) else None

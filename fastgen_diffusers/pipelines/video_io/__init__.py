@@ -1,0 +1,1 @@
+"""Video in and out of the pipelines: exact streamed decode and encode, video sources, and clip arguments."""

@@ -1,0 +1,419 @@
+"""Sessions of the real-time server: each with its own KV caches, all taking turns on one pipeline.
+
+One connection is one [`Session`]. A single worker thread ([`SessionManager`]) runs every piece of model work: it
+prepares a session's rollout, then runs the sessions' chunks in turn, one chunk per turn, round robin, so that two
+viewers each see video at about half the rate. Each session rolls out on a pipeline of its own whose transformer
+shares the weights of the server's model but owns its KV-cache engines ([`session_transformer`]): a chunk only ever
+touches its own session's caches, and a stop, a disconnect or a failure frees them at once.
+
+Queues are bounded: a session runs a chunk only while fewer than ``max_pending_chunks`` of its chunks wait to be sent
+(a slow client makes its own session wait, or with ``slow_client="drop"`` loses chunks), a video session only once
+the frames of its next chunk have arrived (at most ``max_pending_frames`` wait, older ones are dropped), and a prompt
+change replaces any change not yet applied. The event loop only moves messages: it hands commands to the worker and
+sends what the worker posts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..pipelines.video_io.video_source import chunk_num_frames
+from ..settings import RolloutSettings
+from .budget import CacheBudget, session_cache_bytes
+from .jpeg import encode_frames, to_uint8
+from .settings_json import SessionSettings
+
+MAX_PROMPT_CHARS = 2000
+
+
+def session_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``transformer`` that shares its parameters and buffers (no copy of the weights) and owns its KV-cache
+    engines, so that a rollout on it never touches another copy's caches."""
+    memo = {id(tensor): tensor for tensor in (*transformer.parameters(), *transformer.buffers())}
+    shell = copy.deepcopy(transformer, memo)
+    shell.clear_caches()
+    return shell
+
+
+class Session:
+    """One connection's state. The event loop sets the command fields under the manager's lock; the worker owns the
+    rollout fields."""
+
+    def __init__(self, session_id: int, post: Callable[[tuple], None]) -> None:
+        self.id = session_id
+        self.post = post  # thread-safe: hands ("json", dict) / ("chunk", generation, meta, frames) to the sender
+        # commands (event loop -> worker)
+        self.start_request: dict[str, Any] | None = None
+        self.prompt_request: tuple[str, int | None] | None = None
+        self.stop_requested = False
+        self.close_requested = False
+        self.frames: deque[np.ndarray] = deque()
+        self.dropped_input_frames = 0
+        # delivery (worker <-> sender)
+        self.pending_chunks = 0
+        self.generation = 0  # bumped by each start: the sender drops chunks of an older run
+        # rollout (worker)
+        self.pipe: Any = None
+        self.settings: SessionSettings | None = None
+        self.video = False
+        self.run: Any = None
+        self.chunks: Iterator | None = None
+        self.next_chunk = 0
+        self.frames_sent = 0
+        self.num_frames: int | None = None
+        self.frame_size: tuple[int, int] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.chunks is not None
+
+    def cache_bytes(self) -> int:
+        if self.pipe is None:
+            return 0
+        return sum(engine.cache_bytes() for engine in self.pipe.transformer.kv_cache_engines.values())
+
+
+class SessionManager:
+    """Runs every session's model work in one worker thread, a chunk at a time, round robin.
+
+    Args:
+        pipe: the server's [`WanCausalPipeline`] (its components are shared by every session's pipeline).
+        session_defaults: the session values a start message's ``settings`` fill in (height, width, seed, strength).
+        rollout_defaults: the server's [`RolloutSettings`] under a session's own (over the pipeline's stored ones).
+        budget_bytes: the KV-cache bytes all sessions may hold together ([`CacheBudget`]).
+        max_frames: the frame count of a text session that asks for an endless stream (``num_frames: null``).
+        max_sessions: connections served at once.
+        max_pending_chunks: chunks of a session waiting to be sent before it pauses (or drops).
+    """
+
+    def __init__(
+        self,
+        pipe: Any,
+        session_defaults: dict[str, Any],
+        rollout_defaults: RolloutSettings,
+        budget_bytes: int,
+        max_frames: int = 481,
+        max_sessions: int = 8,
+        max_pending_chunks: int = 2,
+        max_sequence_length: int = 512,
+    ) -> None:
+        self.pipe = pipe
+        self.session_defaults = dict(session_defaults)
+        self.rollout_defaults = rollout_defaults
+        self.budget = CacheBudget(budget_bytes)
+        self.max_frames = max_frames
+        self.max_sessions = max_sessions
+        self.max_pending_chunks = max_pending_chunks
+        self.max_sequence_length = max_sequence_length
+        self.sessions: dict[int, Session] = {}
+        self.order: deque[int] = deque()
+        self._idle_pipes: list[Any] = []  # session pipelines of closed sessions, caches cleared
+        self._next_id = 0
+        self._cond = threading.Condition()
+        self._closing = False
+        self._worker = threading.Thread(target=self._work, name="fastgen-serve-worker", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ event loop side
+    def open(self, post: Callable[[tuple], None]) -> Session:
+        """A new session for a connection; ``post`` hands its outgoing messages to the connection's sender.
+
+        Raises:
+            ValueError: the server serves ``max_sessions`` already.
+        """
+        with self._cond:
+            if sum(not s.close_requested for s in self.sessions.values()) >= self.max_sessions:  # closing ones go
+                raise ValueError(
+                    f"The server serves {self.max_sessions} sessions already (--max-sessions); try later."
+                )
+            self._next_id += 1
+            session = Session(self._next_id, post)
+            self.sessions[session.id] = session
+            self.order.append(session.id)
+            return session
+
+    def request_start(self, session: Session, message: dict[str, Any]) -> None:
+        with self._cond:
+            session.start_request = message
+            session.prompt_request = None
+            session.generation += 1
+            self._cond.notify_all()
+
+    def request_prompt(self, session: Session, prompt: str, transition_chunks: int | None) -> None:
+        with self._cond:
+            session.prompt_request = (prompt, transition_chunks)  # a later change replaces one not applied yet
+            self._cond.notify_all()
+
+    def request_stop(self, session: Session) -> None:
+        with self._cond:
+            session.stop_requested = True
+            session.start_request = None
+            session.generation += 1
+            self._cond.notify_all()
+
+    def add_frame(self, session: Session, frame: np.ndarray, max_pending_frames: int) -> None:
+        with self._cond:
+            session.frames.append(frame)
+            while len(session.frames) > max_pending_frames:
+                session.frames.popleft()
+                session.dropped_input_frames += 1
+            self._cond.notify_all()
+
+    def chunk_sent(self, session: Session) -> None:
+        with self._cond:
+            session.pending_chunks = max(0, session.pending_chunks - 1)
+            self._cond.notify_all()
+
+    def close(self, session: Session) -> None:
+        """The connection is gone: the worker frees the session's caches at its next turn (at once when idle)."""
+        with self._cond:
+            session.close_requested = True
+            self._cond.notify_all()
+
+    def health(self) -> dict[str, Any]:
+        with self._cond:
+            sessions = list(self.sessions.values())
+        return {
+            "sessions": len(sessions),
+            "cache_bytes": sum(s.cache_bytes() for s in sessions),
+            "reserved_bytes": sum(self.budget.reserved.values()),
+            "budget_bytes": self.budget.budget_bytes,
+        }
+
+    def stop_all(self) -> None:
+        """Stop every session (each is told ``stopped``), free their caches and end the worker."""
+        with self._cond:
+            self._closing = True
+            for session in self.sessions.values():
+                session.stop_requested = True
+                session.start_request = None
+            self._cond.notify_all()
+        self._worker.join(timeout=60)
+
+    # ------------------------------------------------------------------ worker
+    def _task(self) -> tuple[Session, str] | None:
+        """The next piece of work, round robin over the sessions (called under the lock)."""
+        for _ in range(len(self.order)):
+            session = self.sessions[self.order[0]]
+            self.order.rotate(-1)
+            if session.close_requested:
+                return session, "close"
+            if session.stop_requested:
+                return session, "stop"
+            if session.start_request is not None and self._frames_ready(session, 0, session.start_request):
+                return session, "start"
+            if session.running and self._chunk_ready(session):
+                return session, "chunk"
+        return None
+
+    def _frames_ready(self, session: Session, chunk_index: int, start: dict | None = None) -> bool:
+        video = session.video if start is None else start.get("input") == "video"
+        return not video or len(session.frames) >= self.frames_needed(chunk_index)
+
+    def frames_needed(self, chunk_index: int) -> int:
+        """Input frames of a video session's chunk ``chunk_index`` (all of them arrive before it runs)."""
+        config = self.pipe.transformer.config
+        first = chunk_index == 0
+        latent = 1 if first and config.independent_first_frame else config.chunk_size
+        return chunk_num_frames(latent, first, self.pipe.vae_scale_factor_temporal)
+
+    def _chunk_ready(self, session: Session) -> bool:
+        waits = session.settings.slow_client == "wait" and session.pending_chunks >= self.max_pending_chunks
+        return not waits and self._frames_ready(session, session.next_chunk)
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                task = self._task()
+                while task is None:
+                    if self._closing:
+                        return
+                    self._cond.wait()
+                    task = self._task()
+            session, kind = task
+            try:
+                getattr(self, f"_{kind}")(session)
+            except Exception as error:  # a failure ends its own session only
+                self._end_run(session)
+                session.post(("json", {"type": "error", "message": _message(error), "fatal": kind != "start"}))
+                if kind != "start":
+                    session.post(("json", {"type": "stopped"}))
+
+    def _close(self, session: Session) -> None:
+        self._end_run(session)
+        with self._cond:
+            self.sessions.pop(session.id, None)
+            if session.id in self.order:
+                self.order.remove(session.id)
+        if session.pipe is not None:
+            self._release_pipe(session.pipe)
+        session.pipe = None
+
+    def _stop(self, session: Session) -> None:
+        with self._cond:
+            session.stop_requested = False
+        self._end_run(session)
+        session.post(("json", {"type": "stopped"}))
+
+    def _end_run(self, session: Session) -> None:
+        """Close the session's rollout and free its caches (they are the session's own)."""
+        if session.chunks is not None:
+            session.chunks.close()
+        session.chunks = session.run = None
+        if session.pipe is not None:
+            session.pipe.transformer.clear_caches()
+        self.budget.release(session.id)
+
+    def _pipe_class(self, video: bool) -> type:
+        from ..pipelines import WanCausalVideoToVideoPipeline
+
+        return WanCausalVideoToVideoPipeline if video else type(self.pipe)
+
+    def _release_pipe(self, pipe: Any) -> None:
+        if len(self._idle_pipes) < self.max_sessions:
+            self._idle_pipes.append(pipe)  # caches cleared: the next session reuses it
+
+    def _session_pipe(self, pipe_class: type) -> Any:
+        """A ``pipe_class`` pipeline of the server's components with a transformer (and scheduler) of its own, reused
+        from a closed session when one is idle."""
+        for index, idle in enumerate(self._idle_pipes):
+            if type(idle) is pipe_class:
+                return self._idle_pipes.pop(index)
+        components = dict(self.pipe.components)
+        components["transformer"] = session_transformer(self.pipe.transformer)
+        components["scheduler"] = copy.deepcopy(self.pipe.scheduler)
+        pipe = pipe_class(**components)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def _start(self, session: Session) -> None:
+        with self._cond:
+            message, session.start_request = session.start_request, None
+            generation = session.generation
+        self._end_run(session)
+        settings: SessionSettings = message["settings"]
+        video = message["input"] == "video"
+        pipe_class = self._pipe_class(video)
+        if type(session.pipe) is not pipe_class:
+            if session.pipe is not None:
+                self._release_pipe(session.pipe)
+            session.pipe = self._session_pipe(pipe_class)
+        session.video, session.settings = video, settings
+        num_frames = message["num_frames"]
+        call = {"prompt": message["prompt"], **settings.call_kwargs(), "output_type": "np"}
+        call["generator"] = torch.Generator("cpu").manual_seed(settings.seed)
+        pipe = session.pipe
+        temporal = pipe.vae_scale_factor_temporal
+        if video:
+            call["video"] = self._video_frames(session)
+            latent_frames = (self.max_frames if num_frames is None else num_frames) // temporal + 1
+        else:
+            call["num_frames"] = self.max_frames if num_frames is None else num_frames
+            latent_frames = (call["num_frames"] - 1) // temporal + 1
+        options = pipe.stream_options(**call)
+        rollout = pipe.stored_settings().merge(settings.rollout)  # what the call resolves to, before any allocation
+        needed = session_cache_bytes(
+            pipe.transformer, rollout, settings.height, settings.width, latent_frames, self.max_sequence_length
+        )
+        self.budget.reserve(session.id, needed)
+        session.run = pipe.prepare_rollout(options)
+        session.chunks = pipe.stream_run(session.run)
+        session.next_chunk = 0
+        session.frames_sent = 0
+        session.num_frames = num_frames
+        session.frame_size = (settings.height, settings.width)
+        resolved = {**settings.to_dict(session.run.options.settings), "num_frames": num_frames}
+        session.post(("json", {"type": "started", "settings": resolved, "generation": generation}))
+
+    def _video_frames(self, session: Session) -> Iterator[np.ndarray]:
+        """The session's arrived frames, one by one (the worker reads a chunk's frames only once they are all in)."""
+        while True:
+            with self._cond:
+                if not session.frames:
+                    return
+                frame = session.frames.popleft()
+            yield frame
+
+    def _apply_prompt(self, session: Session) -> None:
+        with self._cond:
+            request, session.prompt_request = session.prompt_request, None
+        if request is None:
+            return
+        prompt, transition_chunks = request
+        pipe, run = session.pipe, session.run
+        if run.policy is not None and type(run.policy).__name__ == "RollingPolicy":
+            raise ValueError("A live prompt change is not supported under kv_cache_policy='rolling'.")
+        device = pipe._execution_device
+        embeds = pipe.encode_prompt_switches({0: prompt}, run.session.prompt_embeds, self.max_sequence_length, device)
+        run.switch_prompt(session.next_chunk, embeds[0], transition_chunks)
+        session.post(("json", {"type": "prompt", "prompt": prompt, "index": session.next_chunk}))
+
+    def _chunk(self, session: Session) -> None:
+        with self._cond:
+            generation = session.generation
+        try:
+            self._apply_prompt(session)
+        except ValueError as error:  # a bad prompt change is refused; the stream goes on
+            session.post(("json", {"type": "error", "message": _message(error), "fatal": False}))
+            return
+        started = time.perf_counter()
+        with torch.no_grad():
+            record = next(session.chunks, None)
+        if record is None:
+            self._end_run(session)
+            session.post(("json", {"type": "stopped"}))
+            return
+        frames = to_uint8(record.frames[0])  # (F, H, W, 3)
+        if session.num_frames is not None:
+            frames = frames[: max(0, session.num_frames - session.frames_sent)]
+        settings = session.settings
+        # encoded by the connection's sender, in a thread of its own: the worker goes on with the next chunk
+        payload = partial(encode_frames, frames, settings.encoding, settings.jpeg_quality)
+        meta = {
+            "type": "chunk",
+            "index": session.next_chunk,
+            "frames": len(frames),
+            "frame_start": record.frame_start,
+            "height": int(frames.shape[1]),
+            "width": int(frames.shape[2]),
+            "latency_ms": round(1000 * (time.perf_counter() - started), 2),
+        }
+        session.next_chunk += 1
+        session.frames_sent += len(frames)
+        with self._cond:
+            drop = session.pending_chunks >= self.max_pending_chunks  # only with slow_client="drop"
+            if not drop:
+                session.pending_chunks += 1
+        if drop:
+            session.post(("json", {**meta, "type": "dropped", "frames": 0}))
+        else:
+            session.post(("chunk", generation, meta, payload))
+        if session.num_frames is not None and session.frames_sent >= session.num_frames:
+            self._end_run(session)
+            session.post(("json", {"type": "stopped"}))
+
+
+def _message(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def post_from_thread(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[tuple], None]:
+    """A ``post`` for [`SessionManager.open`]: hands a message to ``queue`` on ``loop`` from any thread."""
+
+    def post(item: tuple) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the connection is gone
+            pass
+
+    return post

@@ -1,0 +1,103 @@
+"""Decode overlapped with denoising: each chunk's decode is queued as soon as the chunk is done (on its own CUDA stream
+on a GPU, at once on a CPU), before the next chunk denoises, and the frames equal the serial decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgen_diffusers import WanCausalPipeline
+from fastgen_diffusers.pipelines.video_io.autoencoders import streaming_decoder
+from fastgen_diffusers.pipelines.video_io.decode_overlap import DecodedChunk, OverlappedDecoder
+from fastgen_diffusers.testing import tiny_components, tiny_taehv
+
+CALL = {"prompt": "a cat", "height": 16, "width": 16, "num_frames": 21, "num_inference_steps": 2, "output_type": "pt"}
+
+
+@pytest.fixture(scope="module")
+def components():
+    return tiny_components()
+
+
+def _pipe(components, **changes):
+    pipe = WanCausalPipeline(**{**components, **changes})
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _frames(pipe, **kwargs):
+    return pipe(generator=torch.Generator().manual_seed(0), **{**CALL, **kwargs}).frames
+
+
+@pytest.mark.parametrize("vae", ["wan", "taehv"])
+@pytest.mark.parametrize("options", [{}, {"kv_cache_policy": "recompute", "context_frames": 3}])
+def test_overlapped_call_gives_the_serial_frames(components, vae, options):
+    pipe = _pipe(components, **({"vae": tiny_taehv()} if vae == "taehv" else {}))
+    serial = _frames(pipe, **options)
+    assert not pipe.decode_overlap
+    pipe.enable_decode_overlap()
+    assert pipe.decode_overlap
+    # the Wan VAE decodes frame by frame (bit-equal); the tiny one per chunk (convolution batch sizes round apart)
+    torch.testing.assert_close(_frames(pipe, **options), serial, rtol=0, atol=0 if vae == "wan" else 1e-5)
+    pipe.disable_decode_overlap()
+    assert not pipe.decode_overlap
+
+
+def test_each_chunk_is_decoded_before_the_next_chunk_denoises(components):
+    pipe = _pipe(components)
+    pipe.enable_decode_overlap()
+    events = []
+    forward, submit = pipe.transformer.forward, OverlappedDecoder.submit
+
+    def recording_forward(hidden_states, *args, **kwargs):
+        events.append(("forward", kwargs["start_frame"]))
+        return forward(hidden_states, *args, **kwargs)
+
+    def recording_submit(self, latents):
+        events.append(("decode", latents.shape[2]))
+        return submit(self, latents)
+
+    pipe.transformer.forward = recording_forward
+    OverlappedDecoder.submit = recording_submit
+    try:
+        _frames(pipe)
+    finally:
+        del pipe.transformer.forward
+        OverlappedDecoder.submit = submit
+    decodes = [i for i, event in enumerate(events) if event[0] == "decode"]
+    assert len(decodes) == 2  # 6 latent frames: chunks of 3
+    first_forward_of_chunk_1 = events.index(("forward", 3))
+    assert decodes[0] < first_forward_of_chunk_1 < decodes[1] == len(events) - 1
+
+
+@torch.no_grad()
+def test_cpu_decoder_runs_serially_in_order():
+    taehv = tiny_taehv()
+    latents = torch.randn(1, 16, 4, 2, 2)
+    with streaming_decoder(taehv) as decoder:
+        overlapped = OverlappedDecoder(decoder, torch.device("cpu"))
+        assert not overlapped.overlaps
+        pending = [overlapped.submit(latents[:, :, s:e]) for s, e in [(0, 1), (1, 3), (3, 4)]]
+    assert all(isinstance(p, DecodedChunk) and p.event is None for p in pending)
+    with streaming_decoder(taehv) as decoder:
+        serial = [decoder.decode(latents[:, :, s:e]) for s, e in [(0, 1), (1, 3), (3, 4)]]
+    assert all(torch.equal(p.frames(), frames) for p, frames in zip(pending, serial))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs CUDA")
+@torch.no_grad()
+def test_cuda_overlapped_decode_equals_serial():
+    taehv = tiny_taehv().cuda()
+    latents = torch.randn(1, 16, 7, 8, 8, device="cuda")
+    bounds = [(0, 1), (1, 4), (4, 7)]
+    with streaming_decoder(taehv) as decoder:
+        overlapped = OverlappedDecoder(decoder, latents.device)
+        assert overlapped.overlaps
+        pending = []
+        for s, e in bounds:
+            pending.append(overlapped.submit(latents[:, :, s:e].clone()))
+            torch.cuda._sleep(1_000_000)  # the main stream keeps working meanwhile
+        overlapped_frames = torch.cat([p.frames() for p in pending], dim=2)
+    with streaming_decoder(taehv) as decoder:
+        serial = torch.cat([decoder.decode(latents[:, :, s:e]) for s, e in bounds], dim=2)
+    assert torch.equal(overlapped_frames, serial)

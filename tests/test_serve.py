@@ -1,0 +1,363 @@
+"""The session server end to end: a real uvicorn server on a loopback port serving the tiny model, real WebSocket
+clients (the protocol of ``fastgen_diffusers.serve.app``)."""
+
+import asyncio
+import io
+import json
+import time
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+websockets = pytest.importorskip("websockets")
+
+from serve_helpers import (  # noqa: E402
+    PROMPT,
+    SETTINGS,
+    health,
+    receive_chunks,
+    receive_message,
+    receive_until,
+    running_server,
+)
+
+from fastgen_diffusers import WanCausalVideoToVideoPipeline, testing  # noqa: E402
+from fastgen_diffusers.serve.jpeg import decode_jpeg, encode_jpeg, to_uint8  # noqa: E402
+from fastgen_diffusers.serve.sessions import SessionManager, session_transformer  # noqa: E402
+from fastgen_diffusers.serve.settings_json import session_settings  # noqa: E402
+from fastgen_diffusers.settings import RolloutSettings  # noqa: E402
+
+RAW = {**SETTINGS, "encoding": "raw"}
+NEW_PROMPT = "a blue whale under the sea"
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return testing.tiny_pipeline()
+
+
+@pytest.fixture(scope="module")
+def server(pipe):
+    with running_server(pipe) as (address, srv):
+        yield address, srv
+
+
+def start(prompt=PROMPT, settings=RAW, num_frames=33, source="text"):
+    return json.dumps({"type": "start", "prompt": prompt, "settings": settings, "num_frames": num_frames,
+                       "input": source})  # fmt: skip
+
+
+def raw_frames(chunks, settings=RAW):
+    """(F, H, W, 3) uint8 of raw-encoded chunks."""
+    shape = (settings["height"], settings["width"], 3)
+    return np.stack([np.frombuffer(f, np.uint8).reshape(shape) for _, frames in chunks for f in frames])
+
+
+def stream_frames(pipe, prompt, num_frames=33, seed=7, **kwargs):
+    generator = torch.Generator("cpu").manual_seed(seed)
+    call = {k: v for k, v in RAW.items() if k not in ("seed", "encoding")}
+    chunks = pipe.stream(prompt, num_frames=num_frames, generator=generator, output_type="np", **call, **kwargs)
+    return to_uint8(np.concatenate([chunk.frames[0] for chunk in chunks]))
+
+
+async def wait_idle(address, timeout=30):
+    deadline = time.monotonic() + timeout
+    while True:
+        state = health(address)
+        if state["sessions"] == 0 and state["cache_bytes"] == 0:
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server kept {state}")
+        await asyncio.sleep(0.05)
+
+
+def test_session_streams_jpeg_chunks_then_a_live_prompt_change_equals_stream_with_that_switch(server, pipe):
+    address, _ = server
+
+    async def run():
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(settings=SETTINGS))
+            started = (await receive_until(ws, "started"))[-1]
+            assert started["settings"]["height"] == 32 and started["settings"]["num_frames"] == 33
+            resolved = RolloutSettings.from_dict(started["settings"]["rollout"])  # the run's settings, as JSON
+            assert resolved.sampling.num_inference_steps == 2
+            jpeg_chunks = await receive_chunks(ws, 3)
+            assert (await receive_until(ws, "stopped"))[-1] == {"type": "stopped"}
+            # the same session again, raw frames, a prompt change after the first chunk
+            await ws.send(start())
+            await receive_until(ws, "started")
+            first = await receive_chunks(ws, 1)
+            await ws.send(json.dumps({"type": "prompt", "prompt": NEW_PROMPT, "transition_chunks": 0}))
+            rest, switch = [], None
+            for message in await receive_until(ws, "stopped"):
+                if isinstance(message, dict) and message["type"] == "prompt":
+                    switch = message["index"]
+                if isinstance(message, dict) and message["type"] == "chunk":
+                    rest.append((message, []))
+                elif isinstance(message, bytes):
+                    rest[-1][1].append(message)
+            return jpeg_chunks, first + rest, switch
+
+    jpeg_chunks, chunks, switch = asyncio.run(run())
+    assert [meta["index"] for meta, _ in jpeg_chunks] == [0, 1, 2]
+    for meta, frames in jpeg_chunks:
+        assert len(frames) == meta["frames"] > 0 and meta["latency_ms"] > 0
+        for frame in frames:
+            assert decode_jpeg(frame, (32, 32)).shape == (32, 32, 3)
+    assert switch in (1, 2)
+    switch_frame = chunks[switch][0]["frame_start"]
+    served = raw_frames(chunks)
+    expected = stream_frames(pipe, {0: PROMPT, switch_frame: NEW_PROMPT})
+    unchanged = stream_frames(pipe, PROMPT)
+    np.testing.assert_array_equal(served, expected)
+    np.testing.assert_array_equal(served[:switch_frame], unchanged[:switch_frame])
+    assert not np.array_equal(served[switch_frame:], unchanged[switch_frame:])
+
+
+def test_two_sessions_take_turns_and_each_matches_its_solo_stream(server, pipe):
+    """The second session's settings arrive as the RolloutSettings value's own JSON: the server runs that value."""
+    address, _ = server
+    windowed = RolloutSettings.from_arguments(num_inference_steps=2, attention_window=6)
+    other = {"height": 32, "width": 32, "seed": 3, "encoding": "raw", "rollout": windowed.to_dict()}
+
+    async def session(prompt, settings):
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(prompt, settings))
+            chunks = await receive_chunks(ws, 3)
+            await receive_until(ws, "stopped")
+            return chunks
+
+    async def both():
+        return await asyncio.gather(session(PROMPT, RAW), session(NEW_PROMPT, other))
+
+    first, second = asyncio.run(both())
+    np.testing.assert_array_equal(raw_frames(first), stream_frames(pipe, PROMPT))
+    generator = torch.Generator("cpu").manual_seed(3)
+    chunks = pipe.stream(
+        NEW_PROMPT, num_frames=33, height=32, width=32, generator=generator, output_type="np", settings=windowed
+    )
+    expected = to_uint8(np.concatenate([chunk.frames[0] for chunk in chunks]))
+    np.testing.assert_array_equal(raw_frames(second), expected)
+    assert not np.array_equal(expected, stream_frames(pipe, NEW_PROMPT, seed=3))  # the window changed the video
+    asyncio.run(wait_idle(address))
+
+
+def test_disconnect_mid_stream_frees_the_session_and_its_caches(server):
+    address, _ = server
+
+    async def run():
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(num_frames=None))
+            await receive_chunks(ws, 1)
+            during = health(address)
+        return during, await wait_idle(address)
+
+    during, after = asyncio.run(run())
+    assert during["sessions"] == 1 and 0 < during["cache_bytes"] <= during["reserved_bytes"]
+    assert after["sessions"] == 0 and after["cache_bytes"] == 0
+
+
+def _jpeg(array):
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+BAD_MESSAGES = [
+    ("{not json", "must be JSON"),
+    ("[1, 2]", "JSON object"),
+    (json.dumps({"type": "dance"}), "Unknown message type"),
+    (start(settings={**RAW, "model_path": "/etc/passwd"}), "Unknown settings"),
+    (start(settings={**RAW, "height": "tall"}), "'height' must be int"),
+    (start(settings={**RAW, "height": 33}), "height"),
+    (start(settings={**RAW, "num_inference_steps": "x"}), "`num_inference_steps` must be a positive integer"),
+    (start(settings={**RAW, "kv_cache_policy": "bogus"}), "`kv_cache_policy` must be one of"),
+    (start(settings={**RAW, "keep_cache": True}), "do not apply to a session"),
+    (start(settings={**RAW, "rollout": {"version": 99}}), "`version` must be 1"),
+    (start(settings={**RAW, "strength": 0.5}), "video input only"),
+    (start(prompt="x" * 2001), "at most 2000 characters"),
+    (start(prompt=""), "non-empty"),
+    (start(num_frames=0), "num_frames"),
+    (start(source="audio"), "`input`"),
+    (json.dumps({"type": "prompt", "prompt": "a"}), "send a `start`"),
+    ("x" * (65 * 1024), "at most 65536 bytes"),
+    (b"\xff\xd8 not a frame", "Binary messages are video frames"),
+]
+
+
+def test_every_bad_message_gets_an_error_and_the_session_goes_on(server):
+    address, _ = server
+
+    async def run():
+        errors = []
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            for message, _ in BAD_MESSAGES:
+                await ws.send(message)
+                reply = await receive_message(ws)
+                errors.append(reply)
+            # video mode: a frame of the wrong size, a corrupt frame, a PNG, an oversized message
+            await ws.send(start(settings={**RAW, "strength": 0.6}, source="video", num_frames=9))
+            waiting = (await receive_until(ws, "waiting"))[-1]
+            assert (waiting["frames"], waiting["height"], waiting["width"]) == (9, 32, 32)
+            for frame in (
+                encode_jpeg(np.zeros((16, 16, 3), np.uint8)),
+                b"\xff\xd8\xff garbage",
+                _jpeg(np.zeros((32, 32, 3), np.uint8)),
+                b"\x00" * (4 * 1024 * 1024 + 1),
+            ):
+                await ws.send(frame)
+                errors.append(await receive_message(ws))
+            await ws.send(json.dumps({"type": "stop"}))
+            await receive_until(ws, "stopped")
+            # a flood of prompt changes, then the stream still ends normally
+            await ws.send(start())
+            await receive_until(ws, "started")
+            for k in range(50):
+                await ws.send(json.dumps({"type": "prompt", "prompt": f"prompt {k}", "transition_chunks": 1}))
+            messages = await receive_until(ws, "stopped")
+            chunks = [m for m in messages if isinstance(m, dict) and m["type"] == "chunk"]
+            flood_errors = [m for m in messages if isinstance(m, dict) and m["type"] == "error"]
+            return errors, chunks, flood_errors
+
+    errors, chunks, flood_errors = asyncio.run(run())
+    expected = [text for _, text in BAD_MESSAGES] + ["must be 32x32", "does not decode", "must be a JPEG", "at most"]
+    for reply, text in zip(errors, expected):
+        assert reply["type"] == "error" and reply["fatal"] is False, reply
+        assert text in reply["message"], (text, reply["message"])
+    assert len(errors) == len(expected)
+    assert [c["index"] for c in chunks] == [0, 1, 2] and not flood_errors
+
+
+def test_token_is_required_when_set_and_foreign_origins_are_refused(pipe):
+    async def refused(url, **headers):
+        with pytest.raises(websockets.exceptions.InvalidStatus) as error:
+            async with websockets.connect(url, additional_headers=headers):
+                pass
+        return error.value.response.status_code
+
+    async def run(address):
+        codes = [
+            await refused(f"ws://{address}/ws"),
+            await refused(f"ws://{address}/ws?token=wrong"),
+            await refused(f"ws://{address}/ws?token=s3cret", Origin="http://evil.example"),
+        ]
+        async with websockets.connect(
+            f"ws://{address}/ws?token=s3cret", additional_headers={"Origin": f"http://{address}"}
+        ) as ws:
+            await ws.send(json.dumps({"type": "stop"}))
+            assert (await receive_message(ws))["type"] == "stopped"
+        return codes
+
+    with running_server(pipe, token="s3cret") as (address, _):
+        assert asyncio.run(run(address)) == [403, 403, 403]
+        with pytest.raises(Exception, match="403"):
+            health(address)
+        assert health(address, token="s3cret")["sessions"] == 0
+
+
+def test_a_session_over_the_cache_budget_is_refused_naming_the_budget(pipe):
+    async def run(address):
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start())
+            return await receive_message(ws)
+
+    with running_server(pipe, cache_budget_gb=1e-6) as (address, _):
+        reply = asyncio.run(run(address))
+        assert reply["type"] == "error" and not reply["fatal"]
+        assert "cache budget" in reply["message"] and "--cache-budget-gb" in reply["message"]
+        assert health(address)["cache_bytes"] == 0
+
+
+def test_video_mode_equals_the_video_to_video_pipeline_on_the_same_frames(server, pipe):
+    address, _ = server
+    rng = np.random.default_rng(0)
+    sent = [encode_jpeg(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), 90) for _ in range(33)]
+
+    async def run():
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(num_frames=9))  # a text stream first: the session then turns to video
+            await receive_until(ws, "stopped")
+            await ws.send(start(settings={**RAW, "strength": 0.6}, source="video"))
+            for frame in sent:
+                await ws.send(frame)
+            chunks = await receive_chunks(ws, 3)
+            await receive_until(ws, "stopped")
+            return chunks
+
+    served = raw_frames(asyncio.run(run()))
+    v2v = WanCausalVideoToVideoPipeline(**pipe.components)
+    expected = v2v(
+        PROMPT,
+        video=[decode_jpeg(frame, (32, 32)) for frame in sent],
+        strength=0.6,
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        generator=torch.Generator("cpu").manual_seed(7),
+        output_type="np",
+    ).frames[0]
+    np.testing.assert_array_equal(served, to_uint8(expected))
+
+
+def test_session_transformers_share_the_weights_and_own_their_engines(pipe):
+    first, second = session_transformer(pipe.transformer), session_transformer(pipe.transformer)
+    for a, b, base in zip(first.parameters(), second.parameters(), pipe.transformer.parameters()):
+        assert a is base and b is base
+    engines = [id(e) for t in (first, second, pipe.transformer) for e in t.kv_cache_engines.values()]
+    assert len(set(engines)) == len(engines) > 0
+
+
+def _wait_for(condition, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_slow_client_pauses_or_drops_its_own_session_and_never_delays_another(pipe):
+    """No chunk is ever sent (a client that never reads): a "wait" session stops at the bounded queue, a "drop" one
+    goes on dropping, and another session meanwhile runs to its end."""
+    defaults = {"height": 32, "width": 32, "seed": 0}
+    manager = SessionManager(pipe, defaults, RolloutSettings.from_arguments(num_inference_steps=1), 2**30)
+    posted = {name: [] for name in ("wait", "drop", "other")}
+    sessions = {name: manager.open(posted[name].append) for name in posted}
+    try:
+        for name, session in sessions.items():
+            slow = "drop" if name == "drop" else "wait"
+            settings = session_settings({"slow_client": slow}, defaults, manager.rollout_defaults, video=False)
+            frames = None if name != "other" else 9
+            manager.request_start(session, {"prompt": PROMPT, "settings": settings, "num_frames": frames,
+                                            "input": "text"})  # fmt: skip
+        kinds = lambda name: [item[0] if item[0] == "chunk" else item[1]["type"] for item in posted[name]]  # noqa: E731
+        _wait_for(lambda: kinds("drop").count("dropped") >= 2 and "stopped" in kinds("other"))
+        assert kinds("wait").count("chunk") == manager.max_pending_chunks  # paused, nothing dropped
+        assert "dropped" not in kinds("wait") and kinds("drop").count("chunk") == manager.max_pending_chunks
+        manager.chunk_sent(sessions["wait"])  # the client reads one: the session runs one more chunk
+        _wait_for(lambda: kinds("wait").count("chunk") == manager.max_pending_chunks + 1)
+    finally:
+        for session in sessions.values():
+            manager.close(session)
+        manager.stop_all()
+    assert manager.health()["sessions"] == 0 and manager.health()["cache_bytes"] == 0
+
+
+def test_a_restart_never_plays_chunks_of_the_old_run(server, pipe):
+    address, _ = server
+
+    async def run():
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(num_frames=None))
+            await receive_chunks(ws, 1)
+            await ws.send(start(NEW_PROMPT))  # restart at once: queued chunks of the first run are dropped
+            before = await receive_until(ws, "started")
+            chunks = await receive_chunks(ws, 3)
+            await receive_until(ws, "stopped")
+            return before, chunks
+
+    before, chunks = asyncio.run(run())
+    assert sum(isinstance(m, dict) and m["type"] == "chunk" for m in before) <= 1  # at most one already on its way
+    assert [meta["index"] for meta, _ in chunks] == [0, 1, 2]
+    np.testing.assert_array_equal(raw_frames(chunks), stream_frames(pipe, NEW_PROMPT))

@@ -1,0 +1,67 @@
+"""``fastgen-diffusers serve``: the command line, and Ctrl-C stopping a running server cleanly."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from fastgen_diffusers.cli import build_parser, main
+
+pytest.importorskip("uvicorn")
+websockets = pytest.importorskip("websockets")
+
+from serve_helpers import PROMPT, SETTINGS, free_port, receive_chunks, receive_until  # noqa: E402
+
+
+def test_serve_is_a_subcommand_with_loopback_defaults():
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.token, args.model) == ("127.0.0.1", 7860, None, None)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--port", "0"], "--port"), (["--steps", "0"], "--steps"), (["--cache-budget-gb", "-1"], "--cache-budget-gb")],
+)
+def test_bad_serve_flags_exit_2_before_anything_loads(flags, message, capsys):
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ctrl_c_tells_sessions_stopped_and_releases_the_port(tmp_path):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fastgen_diffusers", "serve", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        for line in process.stdout:
+            if "Serving on" in line:
+                break
+
+        async def session():
+            async with websockets.connect(f"ws://127.0.0.1:{port}/ws") as ws:
+                message = {"type": "start", "prompt": PROMPT, "settings": SETTINGS, "num_frames": None}
+                await ws.send(json.dumps(message))
+                await receive_chunks(ws, 1)
+                process.send_signal(signal.SIGINT)
+                return (await receive_until(ws, "stopped", timeout=60))[-1]
+
+        assert asyncio.run(session()) == {"type": "stopped"}
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "Server stopped." in process.stdout.read()
+    with socket.socket() as sock:  # the port is free again (for a server, which reuses TIME_WAIT addresses)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()

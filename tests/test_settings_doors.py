@@ -1,0 +1,152 @@
+"""Every rule of the settings gives the same verdict and the same message at every door a setting enters by: a
+pipeline call, a stored pipeline config (the pipeline built with it, and a saved pipeline whose model_index.json holds
+it, loaded with `from_pretrained`) and `convert`'s stored settings. The rules and their cases are
+`test_settings.RULES`; a door is a function in `DOORS` (the CLI's door before any model loads joins the list the same
+way).
+
+A door is called as ``door(components, arguments, saved)`` and returns ``None`` when it accepts the settings, the
+``ValueError``'s message when it refuses them, or ``NOT_A_DOOR`` when the settings cannot enter by it (a call-only
+setting at the stored config, say)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from test_settings import RULES
+
+from fastgen_diffusers import WanCausalPipeline
+from fastgen_diffusers.convert.formats import StudentSettings, get_format
+from fastgen_diffusers.settings import CONFIG_KEYS
+from fastgen_diffusers.testing import tiny_components
+
+NOT_A_DOOR = object()
+CALL = {"height": 16, "width": 16, "num_frames": 45, "num_inference_steps": 1, "output_type": "latent"}
+
+
+class _Accepted(Exception):
+    """Raised by the first transformer forward: the call got past every check."""
+
+
+def _refusal(run) -> str | None:
+    try:
+        run()
+    except _Accepted:
+        return None
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.fixture(scope="module")
+def components():
+    return tiny_components()
+
+
+@pytest.fixture(scope="module")
+def saved(components, tmp_path_factory):
+    path = tmp_path_factory.mktemp("saved")
+    WanCausalPipeline(**components).save_pretrained(path)
+    return path
+
+
+def call_door(components, arguments, saved):
+    """``pipe(prompt_embeds=..., **arguments)`` stopped at its first forward (12 latent frames: 4 chunks of 3)."""
+    pipe = WanCausalPipeline(**components)
+    pipe.set_progress_bar_config(disable=True)
+
+    def forward(*args, **kwargs):
+        raise _Accepted
+
+    handle = pipe.transformer.register_forward_pre_hook(forward)
+    try:
+        embeds = torch.zeros(1, 4, pipe.transformer.config.text_dim)
+        return _refusal(lambda: pipe(prompt_embeds=embeds, **CALL, **arguments))
+    finally:
+        handle.remove()
+        pipe.transformer.clear_caches()
+
+
+def stored_config_door(components, arguments, saved):
+    """A pipeline built with ``arguments`` as its stored config (``from_pretrained`` passes the config this way)."""
+    if not set(arguments) <= set(CONFIG_KEYS):
+        return NOT_A_DOOR
+    return _refusal(lambda: WanCausalPipeline(**components, **arguments))
+
+
+def from_pretrained_door(components, arguments, saved):
+    """A saved pipeline whose ``model_index.json`` holds ``arguments`` (what `convert` writes), loaded."""
+    if not set(arguments) <= set(CONFIG_KEYS):
+        return NOT_A_DOOR
+    index = json.loads((saved / "model_index.json").read_text())
+    (saved / "model_index.json").write_text(json.dumps({**index, **arguments}))
+    try:
+        return _refusal(lambda: WanCausalPipeline.from_pretrained(saved))
+    finally:
+        (saved / "model_index.json").write_text(json.dumps(index))
+
+
+def convert_door(components, arguments, saved):
+    """``convert --format self-forcing`` with ``arguments`` as its setting flags (the stored settings it writes)."""
+    if not set(arguments) <= set(StudentSettings.__dataclass_fields__):
+        return NOT_A_DOOR
+    return _refusal(lambda: get_format("self-forcing").sampling.replace(**arguments))
+
+
+DOORS = [call_door, stored_config_door, from_pretrained_door, convert_door]
+
+
+@pytest.mark.parametrize(("rule", "arguments", "message"), RULES, ids=[f"{r[0]}-{i}" for i, r in enumerate(RULES)])
+def test_every_door_gives_the_same_verdict_and_message(components, saved, rule, arguments, message):
+    verdicts = {door.__name__: door(components, arguments, saved) for door in DOORS}
+    verdicts = {name: verdict for name, verdict in verdicts.items() if verdict is not NOT_A_DOOR}
+    assert "call_door" in verdicts
+    if message is None:
+        assert verdicts == dict.fromkeys(verdicts), verdicts
+        return
+    assert all(verdict is not None and re.search(message, verdict) for verdict in verdicts.values()), verdicts
+    assert len(set(verdicts.values())) == 1, verdicts
+
+
+def test_unsampleable_student_settings_are_refused_before_conversion():
+    """What `convert` accepted before and every default call of the converted model then refused."""
+    refusals = [
+        ("self-forcing", {"attention_window": 2}, "does not fit the attention window"),
+        ("rolling-forcing", {"attention_window": 2}, "does not fit the attention window"),
+        ("krea", {"context_frames": None, "kv_cache_policy": "recompute"}, None),
+        ("self-forcing", {"kv_cache_policy": "recompute"}, "`context_frames` must be a positive integer"),
+        ("reward-forcing", {"attention_window": 8}, "every eviction must remove exactly sink_frames=3"),
+        ("reward-forcing", {"chunk_size": 1}, "every eviction must remove exactly sink_frames=3"),
+        ("reward-forcing", {"chunk_size": 2}, "every eviction must remove exactly sink_frames=3"),
+    ]
+    for name, overrides, message in refusals:
+        if message is None:
+            get_format(name).sampling.replace(**overrides)
+            continue
+        with pytest.raises(ValueError, match=message):
+            get_format(name).sampling.replace(**overrides)
+
+
+@torch.no_grad()
+def test_a_settings_value_samples_as_its_flat_arguments(components):
+    """``pipe(settings=...)`` is the call of its flat arguments; a flat argument that differs from its default
+    overrides the value field by field."""
+    from fastgen_diffusers.settings import RolloutSettings
+
+    pipe = WanCausalPipeline(**components)
+    pipe.set_progress_bar_config(disable=True)
+    embeds = torch.randn(1, 4, pipe.transformer.config.text_dim, generator=torch.Generator().manual_seed(1))
+    call = {**CALL, "num_frames": 21, "prompt_embeds": embeds}
+    flat = {"attention_window": 6, "sink_frames": 3, "kv_cache_attention_bias": 0.5, "timesteps": [1000.0, 750.0]}
+
+    def latents(**kwargs):
+        return pipe(generator=torch.Generator().manual_seed(0), **call, **kwargs).frames
+
+    settings = RolloutSettings.from_arguments(flat)
+    assert torch.equal(latents(settings=settings), latents(**flat))
+    overridden = {**flat, "sink_frames": 1}
+    assert torch.equal(latents(settings=settings, sink_frames=1), latents(**overridden))
+    with pytest.raises(ValueError, match="`settings` must be a RolloutSettings or None, got dict"):
+        latents(settings=settings.to_dict())
