@@ -1,6 +1,6 @@
 """Causal attention processors for Wan self- and cross-attention.
 
-The processors are stateless and never name a branch or a policy. Each one resolves the engine that owns the module
+The processors are stateless and never name a branch or a cache rule. Each one resolves the engine that owns the module
 it runs for (:meth:`~fastgen_diffusers.context.CausalContext.resolve_registered_engine`, the routing rule) and reads
 what the model prepared for that engine's block in this forward (:class:`BlockAttentionInputs`: tensors and a few
 flags), through the block's :class:`~fastgen_diffusers.context.CausalBlockView` (``causal_context=...``; diffusers'
