@@ -106,6 +106,8 @@ class RolloutRun:
         schedule's switch at that chunk, blended in over ``transition_chunks`` chunks (default: the call's
         ``prompt_transition_chunks``). The caller picks a chunk that has not begun (a begun chunk never reads it)."""
         if transition_chunks is not None:
+            # the call's prompt schedule with this transition (a KV flush or a scene cut switches at once)
+            self.options.settings.prompts.replace(prompt_transition_chunks=transition_chunks)
             self.session.prompt_transition_chunks = transition_chunks
         check_transition_embeds(self.session.prompt_transition_chunks, self.session.prompt_embeds, {0: prompt_embeds})
         self.prompt_switches[chunk_index] = prompt_embeds
