@@ -25,6 +25,7 @@ from serve_helpers import (  # noqa: E402
 )
 
 from fastgen_diffusers import WanCausalVideoToVideoPipeline, testing  # noqa: E402
+from fastgen_diffusers.serve.app import MAX_MESSAGE_BYTES  # noqa: E402
 from fastgen_diffusers.serve.jpeg import decode_jpeg, encode_jpeg, to_uint8  # noqa: E402
 from fastgen_diffusers.serve.sessions import SessionManager, session_transformer  # noqa: E402
 from fastgen_diffusers.serve.settings_json import session_settings  # noqa: E402
@@ -373,3 +374,40 @@ def test_a_restart_never_plays_chunks_of_the_old_run(server, pipe):
     assert sum(isinstance(m, dict) and m["type"] == "chunk" for m in before) <= 1  # at most one already on its way
     assert [meta["index"] for meta, _ in chunks] == [0, 1, 2]
     np.testing.assert_array_equal(raw_frames(chunks), stream_frames(pipe, NEW_PROMPT))
+
+
+def test_a_message_over_the_size_limit_closes_only_its_connection_naming_the_limit(server, pipe):
+    """The WebSocket layer refuses a message over 16 MiB before the app sees it: its connection is closed with code
+    1009 and a reason naming the limit, its session's caches are freed, and another session streams on."""
+    address, _ = server
+
+    async def oversized():
+        async with websockets.connect(f"ws://{address}/ws", max_size=None) as ws:
+            await ws.send(start(num_frames=None))
+            await receive_chunks(ws, 1)
+            await ws.send(b"\x00" * (MAX_MESSAGE_BYTES + 1))
+            with pytest.raises(websockets.exceptions.ConnectionClosedError):
+                while True:
+                    await receive_message(ws)
+            return ws.close_code, ws.close_reason
+
+    async def bystander(started: asyncio.Event):
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start())
+            chunks = await receive_chunks(ws, 1)
+            started.set()
+            chunks += await receive_chunks(ws, 2)
+            await receive_until(ws, "stopped")
+            return chunks
+
+    async def run():
+        started = asyncio.Event()
+        other = asyncio.create_task(bystander(started))
+        await started.wait()
+        closed = await oversized()
+        return closed, await other
+
+    (code, reason), chunks = asyncio.run(run())
+    assert code == 1009 and str(MAX_MESSAGE_BYTES) in reason
+    np.testing.assert_array_equal(raw_frames(chunks), stream_frames(pipe, PROMPT))
+    asyncio.run(wait_idle(address))
