@@ -188,6 +188,8 @@ BAD_MESSAGES = [
     (start(settings={**RAW, "keep_cache": True}), "do not apply to a session"),
     (start(settings={**RAW, "rollout": {"version": 99}}), "`version` must be 1"),
     (start(settings={**RAW, "strength": 0.5}), "video input only"),
+    (start(settings={**RAW, "kv_flush": True}), "`kv_flush=True` keeps the sink and the last frames"),
+    (start(settings={**RAW, "recache_sink": "keep"}), "set `recache=True` too"),
     (start(prompt="x" * 2001), "at most 2000 characters"),
     (start(prompt=""), "non-empty"),
     (start(num_frames=0), "num_frames"),
@@ -239,6 +241,16 @@ def test_every_bad_message_gets_an_error_and_the_session_goes_on(server):
         assert text in reply["message"], (text, reply["message"])
     assert len(errors) == len(expected)
     assert [c["index"] for c in chunks] == [0, 1, 2] and not flood_errors
+
+
+def test_prompt_switch_options_arrive_as_settings():
+    """The prompt-switch options are settings like the others: flat names or the value's JSON, the same value."""
+    defaults = {"height": 32, "width": 32, "seed": 0}
+    flat = {"kv_flush": True, "attention_window": 6, "sink_frames": 1, "recache_sink": "rerun"}
+    settings = session_settings(flat, defaults, RolloutSettings(), video=False)
+    assert settings.rollout.prompts.kv_flush and settings.rollout.cache.attention_window == 6
+    rollout = {"rollout": settings.rollout.to_dict()}
+    assert session_settings(rollout, defaults, RolloutSettings(), video=False).rollout == settings.rollout
 
 
 def test_token_is_required_when_set_and_foreign_origins_are_refused(pipe):

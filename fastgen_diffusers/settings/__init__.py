@@ -7,7 +7,8 @@ the server all build these values and ask them; each rule lives on exactly one v
 * [`CacheSettings`]: engine kind, [`AttentionWindow`] (window and sink), key positions, sink rule and decay, storage
   dtype, attention bias; the EMA eviction rule ([`check_ema_eviction`]);
 * the policy registry ([`register_policy`]): [`SequentialSettings`], [`RecomputeSettings`], [`RollingSettings`];
-* [`PromptSchedule`]: prompt switches, transitions, recache;
+* [`PromptSchedule`]: prompt switches, transitions, recache and what a switch does to the caches (``recache_sink``,
+  ``kv_flush``, ``rope_cut``);
 * [`RolloutSettings`]: all of them, composed; ``to_dict`` / ``from_dict`` (with a version), ``from_config`` /
   ``to_config`` (the pipeline config), ``with_arguments`` (a call's values over stored ones, field by field).
 """
