@@ -4,12 +4,12 @@ it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .base import SETTINGS_VERSION, SettingsValue, check_bool, setting
-from .cache import DEFAULT_SINK_DECAY, CacheSettings, check_recache_keeps_sink, merge_cache
+from .cache import DEFAULT_SINK_DECAY, CacheSettings, check_recache_keeps_sink, check_rope_table, merge_cache
 from .policies import POLICIES, PolicySettings, SequentialSettings, option_owner, policy_from_dict, policy_settings
 from .prompts import PromptSchedule
 from .sampling import DEFAULT_STEPS, SamplingSettings, merge_schedule
@@ -75,6 +75,11 @@ class RolloutSettings(SettingsValue):
         check_bool("keep_cache", self.keep_cache)
         self.active_policy.check(self.flat_values())
         check_recache_keeps_sink(self.cache.update, self.prompts.recache and self.prompts.switches)
+
+    def without_policy(self) -> RolloutSettings:
+        """These (stored) settings for a pipeline that cannot run their policy ([`PolicySettings.runs_on`]): no policy
+        (chunk by chunk), without its options and without the attention bias stored with it."""
+        return replace(self, policy=None, cache=self.cache.replace(kv_cache_attention_bias=None))
 
     def flat_values(self) -> dict[str, Any]:
         """Every value by its flat name (the prompt switches as ``switch_frames``): what a policy checks."""
@@ -196,6 +201,33 @@ class RolloutSettings(SettingsValue):
         if part == "rollout":
             return cls.help(name)
         return {"sampling": SamplingSettings, "cache": CacheSettings, "prompts": PromptSchedule}[part].help(name)
+
+    # ------------------------------------------------------------------ rules that need the chunks
+    def check_chunks(
+        self,
+        chunk_bounds: Sequence[tuple[int, int]],
+        *,
+        rope_table: int | None = None,
+        rope_rebasing: bool = False,
+        leading_frames: int = 0,
+    ) -> None:
+        """Raise ``ValueError`` for what these settings cannot serve about a rollout of the chunks ``chunk_bounds``
+        (``[start, end)`` latent frames; ``leading_frames`` of them before the video's frame 0), before any work: the
+        transformer's RoPE table (``rope_table``, ``None`` when unknown; :func:`check_rope_table`), the window and the
+        EMA sink's evictions ([`CacheSettings.check_chunks`]), the policy's own rule ([`PolicySettings.check_chunks`])
+        and the prompt switches ([`PromptSchedule.check_chunks`])."""
+        bounds = list(chunk_bounds)
+        if rope_table is not None:
+            check_rope_table(
+                bounds[-1][1],
+                rope_table,
+                self.cache.positions,
+                positions_bounded=self.active_policy.bounds_positions,
+                rope_rebasing=rope_rebasing,
+            )
+        self.cache.check_chunks(bounds)
+        self.prompts.check_chunks(bounds, leading_frames)
+        self.active_policy.check_chunks(bounds, self.sampling.steps, rope_table)
 
     # ------------------------------------------------------------------ pipeline config
     @classmethod
