@@ -224,6 +224,12 @@ SETTINGS_FLAG_VALUES = {
         "--sink-decay", "0.9",
     ],
     "kv_cache_dtype": ["--kv-cache-dtype", "int8"],
+    "recache_sink": [
+        "--prompt-switch", "13:a dog", "--recache", "--recache-sink", "keep", "--attention-window", "6",
+        "--sink-frames", "3",
+    ],
+    "kv_flush": ["--prompt-switch", "13:a dog", "--kv-flush", "--attention-window", "6", "--sink-frames", "1"],
+    "rope_cut": ["--prompt-switch", "13:a dog", "--rope-cut", "--rope-positions", "window", "--attention-window", "6"],
 }  # fmt: skip
 
 
@@ -268,6 +274,36 @@ def test_every_settings_flag_is_taken_by_its_pipeline_or_refused_before_loading(
         assert taken == list(SETTINGS_FLAG_VALUES)
     else:
         assert set(taken) == set(SETTINGS_FLAG_VALUES) - {"kv_cache_policy", "context_frames", "keep_first_frame"}
+
+
+def test_generate_passes_the_prompt_switch_cache_options(tmp_path, monkeypatch):
+    """``--recache-sink``, ``--kv-flush`` and ``--rope-cut`` (all switches, or the frames given) reach the pipeline
+    call as the settings' ``recache_sink`` / ``kv_flush`` / ``rope_cut``; a flag left out is not passed."""
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    names = ("prompt", "recache", "recache_sink", "kv_flush", "rope_cut")
+    seen = []
+    call = WanCausalPipeline.__call__
+
+    def recording(self, *args, **kwargs):
+        seen.append({name: kwargs[name] for name in names if name in kwargs})
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(WanCausalPipeline, "__call__", recording)
+    base = ["generate", "--prompt", "a fox", "--output", str(tmp_path / "o.mp4"), "--num-frames", "21"]
+    base += ["--height", "32", "--width", "32", "--steps", "1", "--prompt-switch", "9:a dog"]
+    window = ["--attention-window", "6", "--sink-frames", "3"]
+    assert cli.main([*base, *window, "--recache", "--recache-sink", "keep"]) == 0
+    assert cli.main([*base, *window, "--kv-flush"]) == 0
+    assert cli.main([*base, *window, "--rope-positions", "window", "--rope-cut"]) == 0
+    assert cli.main([*base, *window, "--rope-positions", "window", "--rope-cut", "9"]) == 0
+    prompt = {0: "a fox", 9: "a dog"}
+    assert seen == [
+        {"prompt": prompt, "recache": True, "recache_sink": "keep"},
+        {"prompt": prompt, "kv_flush": True},
+        {"prompt": prompt, "rope_cut": True},
+        {"prompt": prompt, "rope_cut": (9,)},
+    ]
 
 
 def _subcommand(name: str):

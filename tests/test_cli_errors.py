@@ -216,6 +216,28 @@ CASES = {
         "`kv_cache_policy='recompute'` bounds the cache itself",
     ),
     "sink decay 1": (["--sink-update", "ema", "--sink-decay", "1"], 2, "`sink_decay` must be a number in (0, 1)"),
+    "kv flush without window": (
+        ["--prompt-switch", "9:a dog", "--kv-flush"],
+        2,
+        "`kv_flush=True` keeps the sink and the last frames of a sliding window: set `attention_window`",
+    ),
+    "rope cut without switch": (["--rope-cut"], 2, "`rope_cut=True` cuts at every prompt switch"),
+    "rope cut at another frame": (
+        ["--prompt-switch", "9:a dog", "--rope-cut", "5", "--rope-positions", "window", "--attention-window", "6"],
+        2,
+        "`rope_cut` frames [5] are not prompt switches",
+    ),
+    "recache sink keep without recache": (
+        ["--prompt-switch", "9:a dog", "--recache-sink", "keep"],
+        2,
+        "`recache_sink='keep'` says what a recache does with the sink: set `recache=True`",
+    ),
+    "recache sink keep on a window of other chunks": (
+        ["--prompt-switch", "9:a dog", "--recache", "--recache-sink", "keep", "--attention-window", "5"]
+        + ["--sink-frames", "1"],
+        2,
+        "`recache_sink='keep'` re-runs the window's non-sink frames from a chunk boundary",
+    ),
     "sink decay without ema": (["--sink-decay", "0.9"], 2, "`sink_decay=0.9` is the decay of the EMA sink: it needs"),
     "sink decay nan": (["--sink-decay", "nan"], 2, "got nan"),
     "ema with absolute": (

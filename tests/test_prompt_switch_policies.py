@@ -69,7 +69,7 @@ WINDOW = {"attention_window": 6, "sink_frames": 1}
             },
             "`recache=True` cannot run under `sink_update='ema'`",
         ),
-        ({"kv_flush": 1}, "`kv_flush` must be a bool, got 1"),
+        ({"kv_flush": 1}, "`kv_flush` must be True or False, got 1"),
         ({"kv_flush": True}, "set `attention_window`"),
         ({"kv_flush": True, "recache": True, **WINDOW}, "use recache=False"),
         ({"kv_flush": True, "kv_cache_policy": "recompute", "context_frames": 3}, "Accepted: kv_cache_policy=None"),

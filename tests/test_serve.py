@@ -25,6 +25,7 @@ from serve_helpers import (  # noqa: E402
 )
 
 from fastgen_diffusers import WanCausalVideoToVideoPipeline, testing  # noqa: E402
+from fastgen_diffusers.serve.app import MAX_MESSAGE_BYTES  # noqa: E402
 from fastgen_diffusers.serve.jpeg import decode_jpeg, encode_jpeg, to_uint8  # noqa: E402
 from fastgen_diffusers.serve.sessions import SessionManager, session_transformer  # noqa: E402
 from fastgen_diffusers.serve.settings_json import session_settings  # noqa: E402
@@ -178,6 +179,8 @@ BAD_MESSAGES = [
     (start(settings={**RAW, "keep_cache": True}), "do not apply to a session"),
     (start(settings={**RAW, "rollout": {"version": 99}}), "`version` must be 1"),
     (start(settings={**RAW, "strength": 0.5}), "video input only"),
+    (start(settings={**RAW, "kv_flush": True}), "`kv_flush=True` keeps the sink and the last frames"),
+    (start(settings={**RAW, "recache_sink": "keep"}), "set `recache=True` too"),
     (start(prompt="x" * 2001), "at most 2000 characters"),
     (start(prompt=""), "non-empty"),
     (start(num_frames=0), "num_frames"),
@@ -229,6 +232,16 @@ def test_every_bad_message_gets_an_error_and_the_session_goes_on(server):
         assert text in reply["message"], (text, reply["message"])
     assert len(errors) == len(expected)
     assert [c["index"] for c in chunks] == [0, 1, 2] and not flood_errors
+
+
+def test_prompt_switch_options_arrive_as_settings():
+    """The prompt-switch options are settings like the others: flat names or the value's JSON, the same value."""
+    defaults = {"height": 32, "width": 32, "seed": 0}
+    flat = {"kv_flush": True, "attention_window": 6, "sink_frames": 1, "recache_sink": "rerun"}
+    settings = session_settings(flat, defaults, RolloutSettings(), video=False)
+    assert settings.rollout.prompts.kv_flush and settings.rollout.cache.attention_window == 6
+    rollout = {"rollout": settings.rollout.to_dict()}
+    assert session_settings(rollout, defaults, RolloutSettings(), video=False).rollout == settings.rollout
 
 
 def test_token_is_required_when_set_and_foreign_origins_are_refused(pipe):
@@ -361,3 +374,40 @@ def test_a_restart_never_plays_chunks_of_the_old_run(server, pipe):
     assert sum(isinstance(m, dict) and m["type"] == "chunk" for m in before) <= 1  # at most one already on its way
     assert [meta["index"] for meta, _ in chunks] == [0, 1, 2]
     np.testing.assert_array_equal(raw_frames(chunks), stream_frames(pipe, NEW_PROMPT))
+
+
+def test_a_message_over_the_size_limit_closes_only_its_connection_naming_the_limit(server, pipe):
+    """The WebSocket layer refuses a message over 16 MiB before the app sees it: its connection is closed with code
+    1009 and a reason naming the limit, its session's caches are freed, and another session streams on."""
+    address, _ = server
+
+    async def oversized():
+        async with websockets.connect(f"ws://{address}/ws", max_size=None) as ws:
+            await ws.send(start(num_frames=None))
+            await receive_chunks(ws, 1)
+            await ws.send(b"\x00" * (MAX_MESSAGE_BYTES + 1))
+            with pytest.raises(websockets.exceptions.ConnectionClosedError):
+                while True:
+                    await receive_message(ws)
+            return ws.close_code, ws.close_reason
+
+    async def bystander(started: asyncio.Event):
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start())
+            chunks = await receive_chunks(ws, 1)
+            started.set()
+            chunks += await receive_chunks(ws, 2)
+            await receive_until(ws, "stopped")
+            return chunks
+
+    async def run():
+        started = asyncio.Event()
+        other = asyncio.create_task(bystander(started))
+        await started.wait()
+        closed = await oversized()
+        return closed, await other
+
+    (code, reason), chunks = asyncio.run(run())
+    assert code == 1009 and str(MAX_MESSAGE_BYTES) in reason
+    np.testing.assert_array_equal(raw_frames(chunks), stream_frames(pipe, PROMPT))
+    asyncio.run(wait_idle(address))

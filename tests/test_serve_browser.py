@@ -1,6 +1,8 @@
 """The page of ``fastgen-diffusers serve`` in a real browser: headless Chromium (Debian's ``chromium``) driven by
-Playwright against a real server serving the tiny model. The page's screenshot is kept as ``docs/serve.png``."""
+Playwright against a real server serving the tiny model. The page's screenshot is a test artefact in the test's tmp
+directory; with ``FASTGEN_UPDATE_DOCS_SCREENSHOT=1`` it replaces ``docs/serve.png`` (the README's) instead."""
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -13,7 +15,7 @@ pytest.importorskip("fastapi")
 from serve_helpers import running_server  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "serve.png"
+DOCS_SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "serve.png"
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install -y chromium)")
 
 FRAMES_SHOWN = "() => /frames: ([1-9]\\d*)/.test(document.getElementById('status').textContent)"
@@ -49,7 +51,22 @@ def browser_page():
         browser.close()
 
 
-def test_the_page_streams_a_prompt_changes_it_live_and_stops(browser_page):
+def screenshot_path(tmp_path: Path) -> Path:
+    """Where the page's screenshot goes: the test's tmp directory, or ``docs/serve.png`` when
+    ``FASTGEN_UPDATE_DOCS_SCREENSHOT=1`` (so that a test run leaves the tree as it was)."""
+    if os.environ.get("FASTGEN_UPDATE_DOCS_SCREENSHOT") == "1":
+        return DOCS_SCREENSHOT
+    return tmp_path / "serve.png"
+
+
+def test_screenshot_goes_to_docs_only_when_asked(tmp_path, monkeypatch):
+    monkeypatch.delenv("FASTGEN_UPDATE_DOCS_SCREENSHOT", raising=False)
+    assert screenshot_path(tmp_path) == tmp_path / "serve.png"
+    monkeypatch.setenv("FASTGEN_UPDATE_DOCS_SCREENSHOT", "1")
+    assert screenshot_path(tmp_path) == DOCS_SCREENSHOT
+
+
+def test_the_page_streams_a_prompt_changes_it_live_and_stops(browser_page, tmp_path):
     page = browser_page
     page.fill("#prompt", "a red fox running through snow")
     page.click("#start")
@@ -63,8 +80,9 @@ def test_the_page_streams_a_prompt_changes_it_live_and_stops(browser_page):
     page.wait_for_function(
         f"() => Number(/frames: (\\d+)/.exec(document.getElementById('status').textContent)[1]) > {changed}"
     )
-    SCREENSHOT.parent.mkdir(exist_ok=True)
-    page.screenshot(path=str(SCREENSHOT))
+    screenshot = screenshot_path(tmp_path)
+    page.screenshot(path=str(screenshot))
+    assert screenshot.stat().st_size > 0
     page.click("#stop")
     page.wait_for_function("() => document.getElementById('start').disabled === false")
     assert frames_shown(page) > counted

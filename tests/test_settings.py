@@ -99,25 +99,99 @@ RULES = [
     ),
     ("policy names", {"kv_cache_policy": "bogus"}, r"`kv_cache_policy` must be one of \('sequential', 'recompute'"),
     ("timesteps", {"timesteps": [1000.0, 1000.0]}, "`timesteps` must be strictly decreasing"),
+    # what a prompt switch does to the caches (`switch_frames`: the call's prompt schedule, not a flat argument)
+    ("recache sink", {"recache_sink": "keep", "recache": True, "attention_window": 6, "sink_frames": 3}, None),
+    ("recache sink", {"recache_sink": "maybe"}, r"`recache_sink` must be one of \('rerun', 'keep'\), got 'maybe'"),
+    ("recache sink", {"recache_sink": "keep"}, r"`recache_sink='keep'` says what a recache does .*set `recache=True`"),
+    (
+        "recache sink",
+        {"recache_sink": "keep", "recache": True},
+        "`recache_sink='keep'` keeps the sink's K/V .*: set `attention_window` and `sink_frames` > 0",
+    ),
+    (
+        "recache sink chunks",
+        {"recache_sink": "keep", "recache": True, "attention_window": 6, "sink_frames": 1},
+        r"`sink_frames` \(1\) and `attention_window - sink_frames` \(5\) must be multiples of the chunk size \(3\)",
+    ),
+    ("kv flush", {"kv_flush": True, "attention_window": 6, "sink_frames": 1, "switch_frames": (21,)}, None),
+    ("kv flush", {"kv_flush": 1}, "`kv_flush` must be True or False, got 1"),
+    ("kv flush", {"kv_flush": True}, "`kv_flush=True` keeps the sink and the last frames .*: set `attention_window`"),
+    (
+        "kv flush",
+        {"kv_flush": True, "recache": True, "attention_window": 6, "switch_frames": (21,)},
+        r"`kv_flush=True` replaces the recache \(no forward at a switch\): use recache=False",
+    ),
+    (
+        "kv flush",
+        {"kv_flush": True, "kv_cache_policy": "recompute", "context_frames": 3},
+        "`kv_flush` edits the cache of a chunk-by-chunk rollout .*Accepted: kv_cache_policy=None or 'sequential'",
+    ),
+    (
+        "kv flush",
+        {"kv_flush": True, "kv_cache_policy": "rolling", "attention_window": 9},
+        "`kv_cache_policy='rolling'` rebuilds or rolls it",
+    ),
+    (
+        "kv flush",
+        {"kv_flush": True, "attention_window": 9, "sink_frames": 3, "rope_positions": "window", "sink_update": "ema"},
+        r"`kv_flush=True` drops frames an EMA sink \(`sink_update='ema'`\) folds in: use sink_update='fixed'",
+    ),
+    (
+        "kv flush",
+        {"kv_flush": True, "prompt_transition_chunks": 2, "attention_window": 6},
+        "`kv_flush` acts at the chunk a prompt takes effect; .*use prompt_transition_chunks=0 with kv_flush",
+    ),
+    (
+        "rope cut",
+        {"rope_cut": [33], "attention_window": 6, "rope_positions": "window", "switch_frames": (21, 33)},
+        None,
+    ),
+    ("rope cut", {"rope_cut": True, "attention_window": 6, "rope_positions": "window", "switch_frames": (21,)}, None),
+    ("rope cut", {"rope_cut": "yes"}, "`rope_cut` must be a bool or a sequence of prompt-switch frames"),
+    ("rope cut", {"rope_cut": True}, r"`rope_cut=True` cuts at every prompt switch: give a prompt schedule"),
+    (
+        "rope cut",
+        {"rope_cut": [9], "attention_window": 6, "rope_positions": "window", "switch_frames": (21,)},
+        r"`rope_cut` frames \[9\] are not prompt switches; the schedule switches at \[21\]",
+    ),
+    (
+        "rope cut",
+        {"rope_cut": True, "attention_window": 6, "switch_frames": (21,)},
+        r"`rope_cut` moves a chunk's frames .*: use rope_positions='window' \(got 'absolute'\)",
+    ),
+    (
+        "rope cut",
+        {"rope_cut": True, "kv_cache_policy": "recompute", "context_frames": 3, "switch_frames": (21,)},
+        "`rope_cut` edits the cache of a chunk-by-chunk rollout at a prompt switch; `kv_cache_policy='recompute'`",
+    ),
 ]
 
 
-# rules of the chunking: checked by `CacheSettings.check_chunks` / `check_chunk_size` once the chunks are known
-CHUNK_RULES = ("window fits a chunk", "ema eviction")
+# rules of the chunking: checked by `RolloutSettings.check_chunks` (`CacheSettings.check_chunks` /
+# `check_chunk_size` for the cache's) once the chunks are known
+CHUNK_RULES = ("window fits a chunk", "ema eviction", "recache sink chunks")
+CHUNKS_OF_3 = [(start, start + 3) for start in range(0, 30, 3)]
+
+
+def settings_of(arguments: dict) -> RolloutSettings:
+    """The settings of a rule's ``arguments`` (``switch_frames``: the frames of the call's prompt schedule)."""
+    arguments = dict(arguments)
+    return RolloutSettings(policy=None).with_arguments(arguments, switch_frames=arguments.pop("switch_frames", None))
 
 
 @pytest.mark.parametrize(("rule", "arguments", "message"), RULES, ids=[f"{r[0]}-{i}" for i, r in enumerate(RULES)])
 def test_each_rule_accepts_and_refuses_by_itself(rule, arguments, message):
     if rule in CHUNK_RULES:
-        settings = RolloutSettings.from_arguments(arguments)
+        settings = settings_of(arguments)
         with pytest.raises(ValueError, match=message):
-            settings.cache.check_chunk_size(3)
+            settings.check_chunks(CHUNKS_OF_3, 3)
     elif message is None:
-        settings = RolloutSettings.from_arguments(arguments)
+        settings = settings_of(arguments)
+        settings.check_chunks(CHUNKS_OF_3, 3)
         assert RolloutSettings.from_dict(settings.to_dict()) == settings
     else:
         with pytest.raises(ValueError, match=message):
-            RolloutSettings.from_arguments(arguments)
+            settings_of(arguments)
 
 
 def test_the_settings_import_no_torch_and_no_numpy():

@@ -52,7 +52,8 @@ def saved(components, tmp_path_factory):
 
 
 def call_door(components, arguments, saved):
-    """``pipe(prompt_embeds=..., **arguments)`` stopped at its first forward (12 latent frames: 4 chunks of 3)."""
+    """``pipe(prompt_embeds=..., **arguments)`` stopped at its first forward (12 latent frames: 4 chunks of 3 starting
+    at pixel frames 0, 9, 21, 33); ``switch_frames`` become the keys of a prompt schedule ``prompt_embeds``."""
     pipe = WanCausalPipeline(**components)
     pipe.set_progress_bar_config(disable=True)
 
@@ -61,7 +62,11 @@ def call_door(components, arguments, saved):
 
     handle = pipe.transformer.register_forward_pre_hook(forward)
     try:
+        arguments = dict(arguments)
         embeds = torch.zeros(1, 4, pipe.transformer.config.text_dim)
+        switches = arguments.pop("switch_frames", ())
+        if switches:
+            embeds = {frame: embeds for frame in (0, *switches)}
         return _refusal(lambda: pipe(prompt_embeds=embeds, **CALL, **arguments))
     finally:
         handle.remove()

@@ -14,7 +14,14 @@ import traceback
 from pathlib import Path
 
 from .. import __version__
-from ..settings import KEY_POSITIONS, KV_CACHE_DTYPE_NAMES, SINK_UPDATES, RolloutSettings, policy_names
+from ..settings import (
+    KEY_POSITIONS,
+    KV_CACHE_DTYPE_NAMES,
+    RECACHE_SINKS,
+    SINK_UPDATES,
+    RolloutSettings,
+    policy_names,
+)
 from .checks import (
     UsageError,
     check_generate_arguments,
@@ -35,6 +42,13 @@ from .v2v import add_input_video_arguments, input_video_kwargs, load_v2v_pipelin
 DTYPES = ("bfloat16", "float16", "float32")
 CONTEXT_PARALLEL_MODES = ("ulysses",)  # fastgen_diffusers.parallel.CONTEXT_PARALLEL_MODES (a test keeps them equal)
 KV_CACHE_DTYPES = KV_CACHE_DTYPE_NAMES
+
+
+class RopeCutAction(argparse.Action):
+    """``--rope-cut``: ``True`` (a cut at every ``--prompt-switch``), or the switch frames given after it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, tuple(values) if values else True)
 
 
 def settings_help(dest: str) -> str:
@@ -114,6 +128,9 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_settings_argument(long_videos, "prompt_transition_chunks", type=int)
     add_settings_argument(long_videos, "recache", action="store_true")
+    add_settings_argument(long_videos, "recache_sink", choices=RECACHE_SINKS)
+    add_settings_argument(long_videos, "kv_flush", action="store_true")
+    add_settings_argument(long_videos, "rope_cut", action=RopeCutAction, nargs="*", type=int, metavar="FRAME")
     parser.add_argument(
         "--stream", action="store_true", help="write frames to the video as chunks finish; print time to first frames"
     )

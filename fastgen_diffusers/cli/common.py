@@ -37,6 +37,9 @@ SETTINGS_FLAGS = {
     "kv_cache_dtype": "kv_cache_dtype",
     "prompt_transition_chunks": "prompt_transition_chunks",
     "recache": "recache",
+    "recache_sink": "recache_sink",
+    "kv_flush": "kv_flush",
+    "rope_cut": "rope_cut",
 }
 
 

@@ -46,7 +46,7 @@ def check_rollout_layout(args: argparse.Namespace, given_frames: int | None = No
         return
     bounds = rollout_bounds(latent_frames(args.num_frames), layout, whole_chunks=wants_v2v(args))
     try:
-        settings.check_chunks(bounds, rope_table=layout["rope_max_seq_len"])
+        settings.check_chunks(bounds, layout["chunk_size"], rope_table=layout["rope_max_seq_len"])
     except ValueError as error:
         raise UsageError(str(error)) from None
     stored = stored_settings(args.model) or {}

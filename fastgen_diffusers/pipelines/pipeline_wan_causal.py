@@ -615,11 +615,13 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             recache_sink (`str`, defaults to `"rerun"`):
                 What `recache=True` does with the sink: `"rerun"` re-runs the sink's chunks under the new prompt too;
                 `"keep"` is LongLive's `global_sink: true`: the sink keeps its K/V from the old prompt and the window's
-                other frames are re-run in one forward. `"keep"` needs `attention_window` and `sink_frames`.
+                other frames are re-run in one forward. `"keep"` needs `recache=True`, `attention_window` and
+                `sink_frames`, both `sink_frames` and `attention_window - sink_frames` multiples of the chunk size.
             kv_flush (`bool`, defaults to `False`):
                 Infinity-RoPE's KV flush: at each prompt switch keep only the sink and the last 2 generated latent
                 frames in the self-attention cache, so the new prompt takes effect at once with no extra forward.
-                Needs `attention_window`; not with `recache`.
+                Needs `attention_window` and a fixed sink; not with `recache`, a `kv_cache_policy` other than
+                `"sequential"` or `prompt_transition_chunks` above 1.
             rope_cut (`bool` or `list[int]`, defaults to `False`):
                 Infinity-RoPE's scene cut: the first chunk after a cut switch (`True`: every switch; or the pixel
                 frames of the switches that cut) runs at temporal RoPE positions 45, 46, ... (a jump away from the

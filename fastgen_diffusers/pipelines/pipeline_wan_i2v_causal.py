@@ -459,6 +459,10 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         kv_cache_attention_bias: float | None = None,
         keep_first_frame: bool | None = None,
         prompt_transition_chunks: int = 0,
+        # prompt-switch policies (LongLive, Infinity-RoPE)
+        recache_sink: str = "rerun",
+        kv_flush: bool = False,
+        rope_cut: bool | list[int] = False,
         settings: RolloutSettings | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
@@ -553,6 +557,11 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 out, with its settings).
             kv_cache_attention_bias (`float`, *optional*), prompt_transition_chunks (`int`, defaults to `0`):
                 The attention bias on cached frames and blended prompt switches, as in [`WanCausalPipeline.__call__`].
+            recache_sink (`str`, defaults to `"rerun"`), kv_flush (`bool`, defaults to `False`), \
+            rope_cut (`bool` or `list[int]`, defaults to `False`):
+                What each prompt switch does to the caches, as in [`WanCausalPipeline.__call__`]: LongLive's kept
+                sink at a recache (`recache_sink="keep"`), Infinity-RoPE's KV flush and its scene cuts (a RoPE jump at
+                the switches `rope_cut` names).
             settings ([`~fastgen_diffusers.settings.RolloutSettings`], *optional*):
                 The call's settings as one value (sampling, cache, policy, prompt schedule); the flat arguments above
                 override it where they differ from their defaults, and the pipeline's stored settings fill what

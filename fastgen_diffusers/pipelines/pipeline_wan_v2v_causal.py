@@ -196,7 +196,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             # window meet every eviction the stream will: check them before the first forward.
             horizon = options.attention_window + 3 * chunker.chunk_latent_frames
             ema_bounds = self.video_chunk_bounds(chunker, chunk_num_frames(horizon, True, chunker.temporal_factor))
-        options.settings.cache.check_chunks(ema_bounds)
+        options.settings.check_chunks(ema_bounds, chunker.chunk_latent_frames, complete=known)
 
         # 2. Encode input prompt
         device = self._execution_device
@@ -237,6 +237,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             keep_history=history_to_keep(False, options.recache and bool(switches)),
             prompt_transition_chunks=options.prompt_transition_chunks,
             kv_cache_attention_bias=options.kv_cache_attention_bias,
+            switch_rule=self.prompt_switch_rule(options, bounds),
         )
         return RolloutRun(self, session, plan, source, options, switches, 0, self.select_policy(options))
 
@@ -302,6 +303,10 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         kv_cache_attention_bias: float | None = None,
         keep_first_frame: bool | None = None,
         prompt_transition_chunks: int = 0,
+        # prompt-switch policies (LongLive, Infinity-RoPE)
+        recache_sink: str = "rerun",
+        kv_flush: bool = False,
+        rope_cut: bool | list[int] = False,
         settings: RolloutSettings | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
@@ -345,6 +350,11 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 does not take.
             rope_positions, sink_update, sink_decay:
                 Window-relative RoPE and the EMA sink, as in [`WanCausalPipeline.__call__`].
+            recache_sink (`str`, defaults to `"rerun"`), kv_flush (`bool`, defaults to `False`), \
+            rope_cut (`bool` or `list[int]`, defaults to `False`):
+                What each prompt switch does to the caches, as in [`WanCausalPipeline.__call__`]: LongLive's kept
+                sink at a recache (`recache_sink="keep"`), Infinity-RoPE's KV flush and its scene cuts (a RoPE jump at
+                the switches `rope_cut` names).
             settings ([`~fastgen_diffusers.settings.RolloutSettings`], *optional*):
                 The call's settings as one value (sampling, cache, policy, prompt schedule); the flat arguments above
                 override it where they differ from their defaults, and the pipeline's stored settings fill what

@@ -38,6 +38,9 @@ from .settings_json import session_settings
 
 MAX_TEXT_BYTES = 64 * 1024
 MAX_BINARY_BYTES = 4 * 1024 * 1024
+# The WebSocket layer's own limit (uvicorn's ``ws_max_size``): a message over it never reaches the app, the connection
+# is closed with code 1009 and a reason naming the limit (the session then ends as on a disconnect).
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 INPUTS = ("text", "video")
 MESSAGE_TYPES = ("start", "prompt", "stop")
 

@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 
 from ..settings import RolloutSettings
-from .app import create_app
+from .app import MAX_MESSAGE_BYTES, create_app
 from .sessions import SessionManager
 
 TINY_DEFAULTS = {"height": 64, "width": 64}
@@ -111,7 +111,7 @@ def build_server(
     )
     app = create_app(manager, model_name, device, token=config.token, allowed_origins=config.allowed_origins)
     uv_config = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level="warning", ws_max_size=16 * 2**20, lifespan="on"
+        app, host=config.host, port=config.port, log_level="warning", ws_max_size=MAX_MESSAGE_BYTES, lifespan="on"
     )
     return SessionServer(uv_config, manager, banner)
 

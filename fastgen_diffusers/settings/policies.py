@@ -58,6 +58,9 @@ class PolicySettings(SettingsValue):
     engine_rope_positions: ClassVar[str | None] = None
     # Whether it keeps RoPE positions below a few chunks (a video may then outgrow the RoPE table).
     bounds_positions: ClassVar[bool] = False
+    # Whether each chunk stays in the cache as its cache pass wrote it, so that a prompt switch can edit those entries
+    # (a KV flush, a scene cut); a policy that rebuilds or rolls the cache cannot serve such an edit.
+    keeps_written_chunks: ClassVar[bool] = True
 
     def check(self, values: Mapping[str, Any]) -> None:
         """Raise ``ValueError`` for call settings this policy cannot serve (the policy's one combination check).
@@ -134,6 +137,7 @@ class RecomputeSettings(PolicySettings):
     title: ClassVar[str] = "Krea's recompute: the KV cache rebuilt from a few clean context frames before each chunk"
     serves_conditioned_chunks: ClassVar[bool] = False
     bounds_positions: ClassVar[bool] = True
+    keeps_written_chunks: ClassVar[bool] = False
 
     context_frames: int | None = setting(
         None, "Latent frames of the recompute context (>= 1; Krea's kv_cache_num_frames, 3)."
@@ -200,6 +204,7 @@ class RollingSettings(PolicySettings):
     title: ClassVar[str] = "Rolling Forcing's rolling window of chunks at staggered noise levels"
     serves_conditioned_chunks: ClassVar[bool] = False
     needs_sequential_default: ClassVar[bool] = True
+    keeps_written_chunks: ClassVar[bool] = False
     engine_rope_positions: ClassVar[str | None] = "anchor"
     ATTENTION_FRAMES: ClassVar[int] = 21  # Rolling Forcing's `max_attention_size`
 

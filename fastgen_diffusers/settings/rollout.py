@@ -75,6 +75,51 @@ class RolloutSettings(SettingsValue):
         check_bool("keep_cache", self.keep_cache)
         self.active_policy.check(self.flat_values())
         check_recache_keeps_sink(self.cache.update, self.prompts.recache and self.prompts.switches)
+        self.check_prompt_switches()
+
+    def check_prompt_switches(self) -> None:
+        """The rules that combine what a prompt switch does to the caches ([`PromptSchedule`]) with the cache
+        settings and the policy, each stated here once:
+
+        * a KV flush or a scene cut edits the entries of a cache that keeps every chunk as written: a policy that
+          rebuilds or rolls the cache refuses them;
+        * ``recache_sink="keep"`` keeps the sink of a sliding window: it needs ``attention_window`` and sink frames;
+        * ``kv_flush`` keeps the sink and the last frames of a sliding window: it needs ``attention_window``, and a
+          fixed sink (an EMA sink folds in the frames a flush drops);
+        * ``rope_cut`` moves a chunk's frames at read time: it needs keys stored before RoPE and positioned within the
+          window (``rope_positions="window"``).
+
+        The rule that needs the chunks as well is [`check_chunks`]'s."""
+        prompts, cache, policy = self.prompts, self.cache, self.active_policy
+        edit = prompts.switch_edit
+        if edit is not None and not policy.keeps_written_chunks:
+            accepted = " or ".join(["None", *(repr(n) for n, c in POLICIES.items() if c.keeps_written_chunks)])
+            raise ValueError(
+                f"`{edit}` edits the cache of a chunk-by-chunk rollout at a prompt switch; "
+                f"`kv_cache_policy={policy.name!r}` rebuilds or rolls it. Accepted: kv_cache_policy={accepted}."
+            )
+        if prompts.recache_sink == "keep" and not (cache.window.bounded and cache.sink):
+            raise ValueError(
+                "`recache_sink='keep'` keeps the sink's K/V at a recache of the frames the window holds: set "
+                "`attention_window` and `sink_frames` > 0 (LongLive: 12 and 3), or use recache_sink='rerun'."
+            )
+        if prompts.kv_flush:
+            if not cache.window.bounded:
+                raise ValueError(
+                    "`kv_flush=True` keeps the sink and the last frames of a sliding window: set `attention_window` "
+                    "(Infinity-RoPE: 6, with sink_frames=1), or use kv_flush=False."
+                )
+            if cache.update == "ema":
+                raise ValueError(
+                    "`kv_flush=True` drops frames an EMA sink (`sink_update='ema'`) folds in: use sink_update='fixed' "
+                    "(or kv_flush=False)."
+                )
+        if prompts.cut_frames and cache.positions != "window":
+            raise ValueError(
+                "`rope_cut` moves a chunk's frames to other temporal positions at read time, which needs keys stored "
+                "before RoPE and positions within the window: use rope_positions='window' (got "
+                f"{cache.positions!r})."
+            )
 
     def without_policy(self) -> RolloutSettings:
         """These (stored) settings for a pipeline that cannot run their policy ([`PolicySettings.runs_on`]): no policy
@@ -206,16 +251,22 @@ class RolloutSettings(SettingsValue):
     def check_chunks(
         self,
         chunk_bounds: Sequence[tuple[int, int]],
+        chunk_size: int | None = None,
         *,
         rope_table: int | None = None,
         rope_rebasing: bool = False,
         leading_frames: int = 0,
+        complete: bool = True,
     ) -> None:
         """Raise ``ValueError`` for what these settings cannot serve about a rollout of the chunks ``chunk_bounds``
-        (``[start, end)`` latent frames; ``leading_frames`` of them before the video's frame 0), before any work: the
-        transformer's RoPE table (``rope_table``, ``None`` when unknown; :func:`check_rope_table`), the window and the
-        EMA sink's evictions ([`CacheSettings.check_chunks`]), the policy's own rule ([`PolicySettings.check_chunks`])
-        and the prompt switches ([`PromptSchedule.check_chunks`])."""
+        (``[start, end)`` latent frames; ``leading_frames`` of them before the video's frame 0) of ``chunk_size``
+        latent frames (``None``: the largest chunk's), before any work: the transformer's RoPE table (``rope_table``,
+        ``None`` when unknown; :func:`check_rope_table`), the cache's rules ([`CacheSettings.check_chunks`]), a recache
+        keeping the sink (``recache_sink="keep"``, which re-runs the window's non-sink frames from a chunk boundary, so
+        the sink and the rest of the window must be whole chunks), the prompt switches
+        ([`PromptSchedule.check_chunks`]) and the policy's own rule ([`PolicySettings.check_chunks`]).
+        ``complete=False``: ``chunk_bounds`` are the first chunks of an open-ended stream (a video iterator's), checked
+        for the cache's rules only."""
         bounds = list(chunk_bounds)
         if rope_table is not None:
             check_rope_table(
@@ -226,6 +277,17 @@ class RolloutSettings(SettingsValue):
                 rope_rebasing=rope_rebasing,
             )
         self.cache.check_chunks(bounds)
+        if self.prompts.recache_sink == "keep":
+            chunk_size = chunk_size or max(end - start for start, end in bounds)
+            sink, room = self.cache.sink, self.cache.window.room
+            if sink % chunk_size or room % chunk_size:
+                raise ValueError(
+                    f"`recache_sink='keep'` re-runs the window's non-sink frames from a chunk boundary: `sink_frames` "
+                    f"({sink}) and `attention_window - sink_frames` ({room}) must be multiples of the chunk size "
+                    f"({chunk_size})."
+                )
+        if not complete:
+            return
         self.prompts.check_chunks(bounds, leading_frames)
         self.active_policy.check_chunks(bounds, self.sampling.steps, rope_table)
 

@@ -35,7 +35,7 @@ from ...settings import RolloutSettings, argument_names, check_rope_table
 from ..video_io.autoencoders import streaming_decoder
 from ..video_io.decode_overlap import DecodedChunk, OverlappedDecoder
 from ..video_io.streaming_decode import denormalize_latents
-from .arguments import check_prompt_schedule, prepare_call_options
+from .arguments import prepare_call_options
 from .conditioning import Conditioner
 from .guard import exclusive_rollout, warn_discarding_kept_rollouts
 from .kv_cache_options import KVCacheOptionsMixin
@@ -43,7 +43,7 @@ from .options import RolloutOptions
 from .policy import RolloutPolicy, SequentialPolicy
 from .policy_choice import PolicyChoiceMixin
 from .policy_recompute import RecomputePolicy
-from .prompt_switch import PromptSwitchRule, check_prompt_switch_inputs, rope_cut_frames
+from .prompt_switch import PromptSwitchRule
 from .prompts import PromptScheduleMixin, check_transition_embeds
 from .records import ChunkOutput, ChunkRecord
 from .session import MAIN_BRANCH, RolloutSession, discard_branch, history_to_keep
@@ -105,6 +105,8 @@ class RolloutRun:
         schedule's switch at that chunk, blended in over ``transition_chunks`` chunks (default: the call's
         ``prompt_transition_chunks``). The caller picks a chunk that has not begun (a begun chunk never reads it)."""
         if transition_chunks is not None:
+            # the call's prompt schedule with this transition (a KV flush or a scene cut switches at once)
+            self.options.settings.prompts.replace(prompt_transition_chunks=transition_chunks)
             self.session.prompt_transition_chunks = transition_chunks
         check_transition_embeds(self.session.prompt_transition_chunks, self.session.prompt_embeds, {0: prompt_embeds})
         self.prompt_switches[chunk_index] = prompt_embeds
@@ -255,20 +257,12 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         options = replace(options, prompt=prompt, prompt_embeds=prompt_embeds)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         shape = self.check_conditioning_inputs(options, batch_size)
-        check_prompt_switch_inputs(
-            recache=options.recache, recache_sink=options.recache_sink, kv_flush=options.kv_flush,
-            rope_cut=options.rope_cut, prompt_schedule=prompt_schedule, kv_cache_policy=options.kv_cache_policy,
-            attention_window=options.attention_window, sink_frames=options.sink_frames,
-            chunk_size=options.chunk_size or self.transformer.config.chunk_size,
-            rope_positions=options.rope_positions, sink_update=options.sink_update,
-            prompt_transition_chunks=options.prompt_transition_chunks,
-        )  # fmt: skip
         self.check_inputs(options, shape, batch_size)
         num_latent_frames = (shape.num_frames - 1) // self.vae_scale_factor_temporal + 1
         bounds = self.rollout_chunk_bounds(num_latent_frames, options.chunk_size)
         self.check_conditioning_fits(options, bounds)
-        options.settings.cache.check_chunks(bounds)
-        check_prompt_schedule(self, prompt_schedule, bounds, shape.num_reference_frames)
+        chunk_size = options.chunk_size or self.transformer.config.chunk_size
+        options.settings.check_chunks(bounds, chunk_size, leading_frames=shape.num_reference_frames)
         schedule = self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)
         rolling = self.check_rolling_rollout(options, bounds, len(schedule["sigmas"]))
 
@@ -305,9 +299,7 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         refs = shape.num_reference_frames
         video_bounds = [(max(s - refs, 0), e - refs) for s, e in bounds]
         switches = self.prompt_switch_chunks(prompt_switches, video_bounds)
-        cut_frames = rope_cut_frames(options.rope_cut, prompt_schedule)
-        cuts = self.prompt_switch_chunks(dict.fromkeys(cut_frames), video_bounds)
-        switch_rule = PromptSwitchRule(options.recache_sink, options.kv_flush, frozenset(cuts))
+        switch_rule = self.prompt_switch_rule(options, video_bounds)
         check_transition_embeds(options.prompt_transition_chunks, prompt_embeds, switches)
         self.configure_rollout_cache(options, bounds, rolling=rolling)
         session = self.open_session(
@@ -327,6 +319,14 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         )
         policy = rolling or self.select_policy(options)
         return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
+
+    def prompt_switch_rule(self, options: RolloutOptions, video_bounds: Sequence[tuple[int, int]]) -> PromptSwitchRule:
+        """What the prompt switches of a call with resolved ``options`` do to the caches: its settings'
+        ``recache_sink`` and ``kv_flush``, and the chunks (of the video's chunks ``video_bounds``) its scene cuts take
+        effect at."""
+        prompts = options.settings.prompts
+        cuts = self.prompt_switch_chunks(dict.fromkeys(prompts.cut_frames), video_bounds)
+        return PromptSwitchRule(prompts.recache_sink, prompts.kv_flush, frozenset(cuts))
 
     def open_session(
         self,

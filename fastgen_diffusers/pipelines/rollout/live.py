@@ -30,6 +30,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from ...chunking import ChunkPlan, chunk_bounds, chunk_layout
 from ...kv_cache import ROPE_POSITION_MODES
 from ...parallel import is_main_process
+from ...settings import PromptSchedule
 from ...settings.cache import check_recache_keeps_sink
 from ..video_io.autoencoders import streaming_decoder
 from ..video_io.streaming_decode import StreamingWanDecoder
@@ -310,6 +311,8 @@ class LiveRolloutMixin(CausalRolloutMixin):
                 "'recompute'`, which rebuilds the cache under the current prompt before every chunk. Accepted: "
                 "recache=False."
             )
+        if recache:  # the kept rollout's prompt-switch options with this recache (a KV flush replaces it)
+            PromptSchedule(recache=True, kv_flush=self.kept_rollout(branch).switch_rule.kv_flush)
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
         config = self.transformer.config
