@@ -44,9 +44,10 @@ the evicted frames into the sink (:meth:`BaseKVCacheEngine.begin_call`). A call 
 needs an evicted frame is an error, except inside a windowed recache (:meth:`BaseKVCacheEngine.skip_evicted`), whose
 calls attend to the frames held.
 
-Storage dtype (``kv_cache_dtype``, off by default): an 8-bit engine stores completed frames quantized, one float32
-scale per (sample, frame, head) (:mod:`~fastgen_diffusers.kv_cache.quantize`); every store goes through
-:meth:`BaseKVCacheEngine._encode_kv` and every read through :meth:`BaseKVCacheEngine._decode_kv`.
+Storage (:mod:`~fastgen_diffusers.kv_cache.storage`): each block and tag's self K/V live in a storage of the engine's
+:attr:`BaseKVCacheEngine.storage_class` (fixed slots for the static engine, a list of runs for the vanilla one), whose
+codec keeps the compute dtype or, with ``kv_cache_dtype``, 8-bit data and one float32 scale per (sample, frame,
+head) (:mod:`~fastgen_diffusers.kv_cache.quantize`).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ from .ema_sink import check_ema_chunks, check_ema_eviction, ema_update
 from .masks import BlockMaskMemo
 from .options import SINK_UPDATES, check_kv_cache_dtype, check_rope_and_sink_settings
 from .positions import RopePositions, check_chunk_positions
-from .quantize import QuantizedFrames, quantize_frames
 from .registry import BlockRegistry
+from .storage import ChunkListStorage, KVStorage, StorageLayout, codec_for
 from .tags import TagState, TagTable
 from .window import AttentionWindow
 
@@ -95,13 +96,12 @@ class Transaction:
 
 
 class BaseKVCacheEngine:
-    """Storage and rules shared by every engine; subclasses decide how self-attention K/V are laid out.
+    """The rules shared by every engine over a narrow self-attention storage.
 
-    Subclasses implement :meth:`_new_self_entry`, :meth:`_frame_pieces`, :meth:`append_self_kv`,
-    :meth:`_truncate_self_entry`, :meth:`_evict_self_entry`, :meth:`_rotate_self_entry`, :meth:`_copy_self_entry`
-    and :meth:`_self_entry_tensors` (and, for the EMA sink, :meth:`_replace_sink`). An
-    engine that writes tensors in place records how to undo each write in the open :class:`Transaction`
-    (``self._transaction``).
+    Each block and tag holds one :class:`~fastgen_diffusers.kv_cache.storage.KVStorage` of :attr:`storage_class`
+    (with the engine's codec: the compute dtype, or 8-bit): the engine maps frames to the storage's slots and calls
+    only the storage's operations, the same for every storage. A storage written in place gets its overwritten slots
+    kept in the open :class:`Transaction` (``self._transaction``) first.
 
     Args:
         window_frames: attend to at most this many latent frames per chunk (its own frames and the sink included);
@@ -121,6 +121,8 @@ class BaseKVCacheEngine:
             is an error. Cross-attention K/V are not quantized.
     """
 
+    storage_class: type[KVStorage] = ChunkListStorage
+
     def __init__(
         self,
         *,
@@ -139,6 +141,7 @@ class BaseKVCacheEngine:
         self.sink_update = sink_update
         self.sink_decay = float(sink_decay)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, sink_update)
+        self._codec = codec_for(self.kv_cache_dtype)
         self.blocks = BlockRegistry()
         self._mask_memo: BlockMaskMemo | None = None
         self._tags = TagTable()
@@ -408,7 +411,9 @@ class BaseKVCacheEngine:
         """Remember what ``cache_tag`` holds, so that :meth:`rollback` restores it exactly.
 
         The model opens one transaction per forward before its first engine operation and ends it once the
-        forward's writes are committed; a forward that fails midway is rolled back.
+        forward's writes are committed; a forward that fails midway is rolled back. For storages written in place
+        it also notes which slots hold frames the tag holds now: an in-place write to them during the transaction
+        first keeps their contents (:meth:`_keep_for_undo`); writes to free slots keep nothing.
         """
         state = self._tags.get(cache_tag)
         self._transaction = Transaction(
@@ -417,6 +422,20 @@ class BaseKVCacheEngine:
             [self._snapshot_self_entry(per_tag.get(cache_tag)) for per_tag in self._self_kv],
             self.cross.snapshot(cache_tag),
         )
+        if not self.storage_class.writes_in_place:
+            return
+        held_slots = []
+        if state is not None:
+            window = self.window
+            frames = [(0, state.num_frames)]
+            if window.bounded:
+                frames = [
+                    (0, min(window.sink, state.num_frames)),
+                    (max(window.sink, state.evicted_before), state.num_frames),
+                ]
+            for first, last in frames:
+                held_slots += [(slot, slot + count) for _, slot, count in self._slot_runs(first, last)]
+        self._transaction.extra.update(held_slots=held_slots, unsaved={})
 
     def end_transaction(self) -> None:
         """Keep what the forward wrote (nothing is undone after this)."""
@@ -438,12 +457,12 @@ class BaseKVCacheEngine:
                 per_tag[tag] = self._restore_self_entry(snapshot)
         self.cross.restore(tag, transaction.cross)
 
-    def _snapshot_self_entry(self, entry: Any) -> Any:
+    def _snapshot_self_entry(self, entry: KVStorage | None) -> Any:
         """What :meth:`_restore_self_entry` needs to give ``entry`` back as it is now (``None`` stays ``None``)."""
-        return None if entry is None else self._copy_self_entry(entry)
+        return None if entry is None else entry.snapshot()
 
-    def _restore_self_entry(self, snapshot: Any) -> Any:
-        return snapshot
+    def _restore_self_entry(self, snapshot: Callable[[], KVStorage]) -> KVStorage:
+        return snapshot()
 
     # ------------------------------------------------------------------ the forward's operations
     def begin_call(
@@ -720,36 +739,54 @@ class BaseKVCacheEngine:
         """Forget the cross K/V of ``cache_tag`` (every tag when ``None``); the next ``store_kv`` call refills them."""
         self.cross.invalidate(list(self._tags) if cache_tag is None else [cache_tag])
 
-    # ------------------------------------------------------------------ storage dtype (8-bit KV cache)
-    def _encode_kv(self, tensor: torch.Tensor, state: TagState) -> torch.Tensor | QuantizedFrames:
-        """What the engine stores for ``tensor`` ``(B, F*S, H, D)``, whole frames of ``state``'s tag: the tensor
-        itself, or its :class:`QuantizedFrames` under ``kv_cache_dtype``. Every self K/V store goes through here."""
-        if self.kv_cache_dtype is None:
-            return tensor
-        return quantize_frames(tensor, state.frame_seqlen, self.kv_cache_dtype)
-
-    def _decode_kv(self, stored: torch.Tensor | QuantizedFrames, state: TagState) -> torch.Tensor:
-        """The K or V ``(B, F*S, H, D)`` in the compute dtype of what :meth:`_encode_kv` stored (the stored tensor
-        itself when it is not quantized). Every self K/V read goes through here."""
-        if isinstance(stored, QuantizedFrames):
-            return stored.dequantize(state.dtype)
-        return stored
-
+    # ------------------------------------------------------------------ self-attention storage
     def _storage_dtype(self, state: TagState) -> torch.dtype:
         """The dtype of the stored self K/V elements of a tag: ``kv_cache_dtype`` or the compute dtype."""
         return self.kv_cache_dtype or state.dtype
 
-    # ------------------------------------------------------------------ self-attention entries (subclasses)
-    def _new_self_entry(self, state: TagState, max_frames: int | None) -> Any:
-        raise NotImplementedError
+    def _new_self_entry(self, state: TagState, max_frames: int | None) -> KVStorage:
+        """A new, empty storage of one block and tag (:attr:`storage_class`, with the engine's codec)."""
+        layout = StorageLayout(
+            state.batch_size, state.frame_seqlen, state.num_heads, state.head_dim, state.dtype, state.device
+        )
+        return self.storage_class(layout, self._codec, self._initial_slots(max_frames))
+
+    def _initial_slots(self, max_frames: int | None) -> int:
+        """Slots a new storage allocates up front (storages that grow per write ignore it)."""
+        return 0
+
+    def _slot_runs(self, first: int, last: int) -> list[tuple[int, int, int]]:
+        """``(frame, slot, count)`` runs covering frames ``[first, last)``: a storage of fixed slots holds frame
+        ``f`` at slot ``f`` without a window, else the sink at its frames and every later frame at
+        ``sink + (f - sink) % (window - sink)`` (a ring); any other storage at slot ``f`` (at most
+        ``window - sink`` non-sink frames when the range passes the window)."""
+        if first >= last:
+            return []
+        window = self.window
+        if not self.storage_class.fixed_slots or window.all_seen_until(last):
+            return [(first, first, last - first)]
+        runs = []
+        if first < window.sink:
+            runs.append((first, first, window.sink - first))
+            first = window.sink
+        slot = window.sink + (first - window.sink) % window.room
+        count = min(last - first, window.frames - slot)
+        runs.append((first, slot, count))
+        if first + count < last:
+            runs.append((first + count, window.sink, last - first - count))
+        return runs
+
+    def _slot_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The slot ranges holding the frames of the ascending frame ranges ``ranges``, in frame order."""
+        return [(slot, slot + count) for first, last in ranges for _, slot, count in self._slot_runs(first, last)]
 
     def _frame_pieces(
-        self, entry: Any, state: TagState, ranges: Sequence[tuple[int, int]]
+        self, entry: KVStorage, state: TagState, ranges: Sequence[tuple[int, int]]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The held frames of ``entry`` in the ascending, disjoint frame ranges ``ranges`` (``[first, last)`` each), as
         K and V pieces ``(B, tokens, H, D)`` in frame order, decoded to the compute dtype (views where the storage
         allows)."""
-        raise NotImplementedError
+        return entry.read(self._slot_ranges(ranges))
 
     def _self_prefix_pieces(
         self,
@@ -764,37 +801,87 @@ class BaseKVCacheEngine:
         ranges = ((0, sink_end), (recent_start, start_frame))
         return self._frame_pieces(self._self_kv[block_idx][cache_tag], self._tags[cache_tag], ranges)
 
+    def _write(
+        self, entry: KVStorage, state: TagState, key: torch.Tensor, value: torch.Tensor, key_start: int, frames
+    ) -> None:
+        """Write frames ``[first, last)`` of ``key``/``value`` (whose first frame is ``key_start``) into their slots,
+        keeping for the open transaction what an in-place write overwrites."""
+        first, last = frames
+        seqlen = state.frame_seqlen
+        for frame, slot, count in self._slot_runs(first, last):
+            self._keep_for_undo(entry, slot, slot + count, seqlen)
+            src = slice((frame - key_start) * seqlen, (frame - key_start + count) * seqlen)
+            entry.write(slot, key[:, src], value[:, src])
+
+    def _evict_frames(self, entry: KVStorage, first: int, last: int) -> None:
+        """Frames ``[first, last)`` of ``entry`` are gone: free their slots (a ring's slots are overwritten instead;
+        only its last ``window - sink`` non-sink frames can be in it)."""
+        if first >= last:
+            return
+        if self.storage_class.fixed_slots and self.window.bounded and first >= self.window.sink:
+            first = max(first, last - self.window.room)
+        for start, stop in self._slot_ranges(((first, last),)):
+            entry.evict(start, stop)
+
     def append_self_kv(
         self, block_idx: int, cache_tag: str, key: torch.Tensor, value: torch.Tensor, start_frame: int
     ) -> None:
         """Store ``key``/``value`` ``(B, F*S, H, D)`` as frames ``[start_frame, start_frame + F)``; drop later ones."""
-        raise NotImplementedError
+        entry = self._self_kv[block_idx][cache_tag]
+        state = self._tags[cache_tag]
+        end_frame = start_frame + key.shape[1] // state.frame_seqlen
+        self._evict_frames(entry, start_frame, max(state.num_frames, start_frame))
+        kept = self._store_window(state, start_frame, end_frame)
+        self._evict_self_entry(entry, state, state.evicted_before)
+        for frames in kept:
+            self._write(entry, state, key.detach(), value.detach(), start_frame, frames)
 
-    def _truncate_self_entry(self, entry: Any, state: TagState, end_frame: int) -> None:
-        raise NotImplementedError
+    def _truncate_self_entry(self, entry: KVStorage, state: TagState, end_frame: int) -> None:
+        self._evict_frames(entry, end_frame, state.num_frames)
 
     def _frames_kv(self, entry: Any, state: TagState, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Held frames ``[first, last)`` of ``entry`` as ``(key, value)`` ``(B, (last - first) * S, H, D)``."""
         keys, values = self._frame_pieces(entry, state, ((first, last),))
         return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
-    def _replace_sink(self, entry: Any, state: TagState, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _replace_sink(self, entry: KVStorage, state: TagState, key: torch.Tensor, value: torch.Tensor) -> None:
         """Replace the K/V of the first sink frames of ``entry`` by ``key``/``value`` (undone by :meth:`rollback`)."""
-        raise NotImplementedError
+        self._write(entry, state, key, value, 0, (0, key.shape[1] // state.frame_seqlen))
 
-    def _evict_self_entry(self, entry: Any, state: TagState, before: int) -> None:
+    def _evict_self_entry(self, entry: KVStorage, state: TagState, before: int) -> None:
         """Drop the non-sink frames ``< before`` (windowed engines)."""
-        raise NotImplementedError
+        self._evict_frames(entry, self.window.sink, before)
 
-    def _rotate_self_entry(self, entry: Any, state: TagState, rotate: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def _rotate_self_entry(
+        self, entry: KVStorage, state: TagState, rotate: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
         """Replace every cached key ``k`` ``(B, tokens, H, D)`` by ``rotate(k)`` (RoPE re-basing)."""
-        raise NotImplementedError
+        self._keep_for_undo(entry, 0, entry.num_slots, state.frame_seqlen)
+        entry.map_keys(rotate)
 
-    def _copy_self_entry(self, entry: Any) -> Any:
-        raise NotImplementedError
+    def _keep_for_undo(self, entry: KVStorage, first_slot: int, last_slot: int, seqlen: int) -> None:
+        """Before slots ``[first_slot, last_slot)`` of a storage written in place are overwritten in an open
+        transaction, keep a copy of those that hold frames held when it began (each slot once) and record how to put
+        it back. Storages never written in place are restored from their snapshot instead."""
+        transaction = self._transaction
+        if transaction is None or not entry.writes_in_place:
+            return
+        unsaved = transaction.extra["unsaved"].setdefault(id(entry), list(transaction.extra["held_slots"]))
+        remaining = []
+        for low, high in unsaved:
+            first, last = max(low, first_slot), min(high, last_slot)
+            if first >= last:
+                remaining.append((low, high))
+                continue
+            transaction.undo.append(entry.saved(first, last))
+            remaining += [r for r in ((low, first), (last, high)) if r[0] < r[1]]
+        transaction.extra["unsaved"][id(entry)] = remaining
 
-    def _self_entry_tensors(self, entry: Any) -> list[torch.Tensor]:
-        raise NotImplementedError
+    def _copy_self_entry(self, entry: KVStorage) -> KVStorage:
+        return entry.copy()
+
+    def _self_entry_tensors(self, entry: KVStorage) -> list[torch.Tensor]:
+        return entry.tensors()
 
     # ------------------------------------------------------------------ memory and lifetime
     def self_cache_bytes(self, cache_tag: str | None = None) -> int:

@@ -34,36 +34,18 @@ growth happens a logarithmic number of times in a rollout; pass ``max_frames`` t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .accounting import expected_self_cache_bytes, tensor_bytes
+from .accounting import expected_self_cache_bytes
 from .base import BaseKVCacheEngine
-from .quantize import QuantizedFrames, stored_tensors
+from .storage import SlotCopy, SlotStorage
 from .tags import TagState
 from .window import AttentionWindow
 
-
-def _static_address(buffer: torch.Tensor) -> torch.Tensor:
-    """Tell CUDA graph trees (``torch.compile(mode="reduce-overhead")``) that ``buffer`` keeps its address, so that the
-    compiled attention's in-place writes into it are captured instead of disabling the graph. Unguarded: one graph
-    serves the buffers of every block. No effect in eager."""
-    if buffer.is_cuda:
-        import torch._dynamo
-
-        torch._dynamo.mark_static_address(buffer, guard=False)
-    return buffer
-
-
-@dataclass
-class StaticSelfEntry:
-    """Self-attention K/V buffers of one block and tag, each ``(B, capacity * S, H, D)`` (``S`` tokens per frame;
-    :class:`QuantizedFrames` under ``kv_cache_dtype``)."""
-
-    key: torch.Tensor | QuantizedFrames
-    value: torch.Tensor | QuantizedFrames
+StaticSelfEntry = SlotStorage  # the storage of one block and tag (its former name)
+__all__ = ["SlotCopy", "StaticCall", "StaticKVCacheEngine", "StaticSelfEntry"]
 
 
 @dataclass(eq=False)
@@ -91,25 +73,6 @@ class StaticCall:
         return self.valid_length.shape[0]
 
 
-@dataclass
-class SlotCopy:
-    """Tokens ``tokens`` of two buffers as they were before an in-place write; calling it writes them back."""
-
-    key: torch.Tensor | QuantizedFrames
-    value: torch.Tensor | QuantizedFrames
-    tokens: slice
-    kept_key: torch.Tensor | QuantizedFrames
-    kept_value: torch.Tensor | QuantizedFrames
-
-    def __call__(self) -> None:
-        self.key[:, self.tokens] = self.kept_key
-        self.value[:, self.tokens] = self.kept_value
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_bytes((*stored_tensors(self.kept_key), *stored_tensors(self.kept_value)))
-
-
 class StaticKVCacheEngine(BaseKVCacheEngine):
     """Preallocated, in-place KV cache with the contract and numbers of the vanilla engine.
 
@@ -124,6 +87,8 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         kv_cache_dtype: ``None`` or 8-bit storage (``torch.float8_e4m3fn``, ``torch.int8``): quantized buffers, and
             every call takes the gathering path (no in-place fast path; see the module docstring).
     """
+
+    storage_class = SlotStorage
 
     def __init__(
         self,
@@ -158,117 +123,15 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         """Frame slots needed to serve ``frames`` frames (at most the window)."""
         return self.window.slots(max(frames, self.max_frames or 0))
 
-    def _new_self_entry(self, state: TagState, max_frames: int | None) -> StaticSelfEntry:
-        slots = self._capacity_for(max_frames or 1) * state.frame_seqlen
-        shape = (state.batch_size, slots, state.num_heads, state.head_dim)
-        if self.kv_cache_dtype is not None:
-            return StaticSelfEntry(
-                *(
-                    QuantizedFrames.zeros(shape, state.frame_seqlen, self.kv_cache_dtype, state.device)
-                    for _ in range(2)
-                )
-            )
-        return StaticSelfEntry(
-            _static_address(torch.zeros(shape, dtype=state.dtype, device=state.device)),
-            _static_address(torch.zeros(shape, dtype=state.dtype, device=state.device)),
-        )
+    def _initial_slots(self, max_frames: int | None) -> int:
+        return self._capacity_for(max_frames or 1)
 
     def _reserve(self, state: TagState, cache_tag: str, max_frames: int | None) -> None:
         if max_frames is None:
             return
-        needed = self._capacity_for(max_frames) * state.frame_seqlen
+        needed = self._capacity_for(max_frames)
         for per_tag in self._self_kv:
-            entry: StaticSelfEntry = per_tag[cache_tag]
-            capacity = entry.key.shape[1]
-            if capacity >= needed:
-                continue
-            grown = max(needed, self.window.slots(2 * capacity // state.frame_seqlen) * state.frame_seqlen)
-            entry.key = self._grow(entry.key, grown)
-            entry.value = self._grow(entry.value, grown)
-
-    @staticmethod
-    def _grow(buffer: torch.Tensor | QuantizedFrames, slots: int) -> torch.Tensor | QuantizedFrames:
-        grown = buffer.new_zeros((buffer.shape[0], slots, *buffer.shape[2:]))
-        grown[:, : buffer.shape[1]] = buffer
-        return _static_address(grown) if isinstance(grown, torch.Tensor) else grown
-
-    # ------------------------------------------------------------------ slots
-    def _slot_runs(self, first: int, last: int) -> list[tuple[int, int, int]]:
-        """``(frame, slot, count)`` runs covering frames ``[first, last)`` (at most ``window - sink`` non-sink
-        frames when the range passes the window)."""
-        if first >= last:
-            return []
-        window = self.window
-        if window.all_seen_until(last):
-            return [(first, first, last - first)]
-        runs = []
-        if first < window.sink:
-            runs.append((first, first, window.sink - first))
-            first = window.sink
-        slot = window.sink + (first - window.sink) % window.room
-        count = min(last - first, window.frames - slot)
-        runs.append((first, slot, count))
-        if first + count < last:
-            runs.append((first + count, window.sink, last - first - count))
-        return runs
-
-    def _write(
-        self, entry: StaticSelfEntry, state: TagState, key: torch.Tensor, value: torch.Tensor, key_start: int, frames
-    ) -> None:
-        """Copy frames ``[first, last)`` of ``key``/``value`` (whose first frame is ``key_start``) into their slots."""
-        first, last = frames
-        seqlen = state.frame_seqlen
-        for frame, slot, count in self._slot_runs(first, last):
-            self._keep_for_undo(entry, slot, slot + count, seqlen)
-            src = slice((frame - key_start) * seqlen, (frame - key_start + count) * seqlen)
-            dst = slice(slot * seqlen, (slot + count) * seqlen)
-            entry.key[:, dst] = self._encode_kv(key[:, src], state)
-            entry.value[:, dst] = self._encode_kv(value[:, src], state)
-
-    # ------------------------------------------------------------------ transactions
-    def begin_transaction(self, cache_tag: str) -> None:
-        """Also note which slots hold frames the tag holds now: an in-place write to them during the transaction
-        first keeps their contents (:meth:`_keep_for_undo`). Writes to free slots keep nothing."""
-        super().begin_transaction(cache_tag)
-        state = self._tags.get(cache_tag)
-        held_slots = []
-        if state is not None:
-            window = self.window
-            frames = [(0, state.num_frames)]
-            if window.bounded:
-                frames = [
-                    (0, min(window.sink, state.num_frames)),
-                    (max(window.sink, state.evicted_before), state.num_frames),
-                ]
-            for first, last in frames:
-                held_slots += [(slot, slot + count) for _, slot, count in self._slot_runs(first, last)]
-        self._transaction.extra.update(held_slots=held_slots, unsaved={})
-
-    def _snapshot_self_entry(self, entry: StaticSelfEntry | None):
-        return None if entry is None else (entry, entry.key, entry.value)
-
-    def _restore_self_entry(self, snapshot) -> StaticSelfEntry:
-        entry, entry.key, entry.value = snapshot  # buffers grown during the transaction are dropped
-        return entry
-
-    def _keep_for_undo(self, entry: StaticSelfEntry, first_slot: int, last_slot: int, seqlen: int) -> None:
-        """Before slots ``[first_slot, last_slot)`` of ``entry`` are overwritten in an open transaction, keep a copy
-        of those that hold frames held when it began (each slot once) and record how to put it back."""
-        transaction = self._transaction
-        if transaction is None:
-            return
-        unsaved = transaction.extra["unsaved"].setdefault(id(entry), list(transaction.extra["held_slots"]))
-        remaining = []
-        for low, high in unsaved:
-            first, last = max(low, first_slot), min(high, last_slot)
-            if first >= last:
-                remaining.append((low, high))
-                continue
-            tokens = slice(first * seqlen, last * seqlen)
-            key, value = entry.key, entry.value
-            transaction.undo.append(SlotCopy(key, value, tokens, key[:, tokens].clone(), value[:, tokens].clone()))
-            remaining += [r for r in ((low, first), (last, high)) if r[0] < r[1]]
-        transaction.extra["unsaved"][id(entry)] = remaining
+            per_tag[cache_tag].reserve(needed, most=self.window.frames)
 
     # ------------------------------------------------------------------ attention
     def _key_frames(self, cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window=None):
@@ -279,23 +142,6 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
                 cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window
             )
         return list(self._slot_frames(start_frame + num_frames))
-
-    def _frame_pieces(self, entry: StaticSelfEntry, state: TagState, ranges):
-        seqlen = state.frame_seqlen
-        keys, values = [], []
-        for first, last in ranges:
-            for _, slot, count in self._slot_runs(first, last):
-                tokens = slice(slot * seqlen, (slot + count) * seqlen)
-                keys.append(self._decode_kv(entry.key[:, tokens], state))
-                values.append(self._decode_kv(entry.value[:, tokens], state))
-        return keys, values
-
-    def _replace_sink(self, entry: StaticSelfEntry, state: TagState, key: torch.Tensor, value: torch.Tensor) -> None:
-        seqlen = state.frame_seqlen
-        frames = key.shape[1] // seqlen
-        self._keep_for_undo(entry, 0, frames, seqlen)
-        entry.key[:, : frames * seqlen] = self._encode_kv(key, state)
-        entry.value[:, : frames * seqlen] = self._encode_kv(value, state)
 
     # ------------------------------------------------------------------ fixed-shape attention (compiled rollouts)
     def static_call(
@@ -330,10 +176,10 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         end_frame = start_frame + num_frames
         runs = self._slot_runs(start_frame, end_frame)
         for per_tag in self._self_kv:
-            entry: StaticSelfEntry = per_tag[cache_tag]
+            entry = per_tag[cache_tag]
             for _, slot, count in runs:
                 self._keep_for_undo(entry, slot, slot + count, seqlen)
-        capacity = self._self_kv[0][cache_tag].key.shape[1] if self._self_kv else 0
+        capacity = self._self_kv[0][cache_tag].num_slots * seqlen if self._self_kv else 0
         key = (start_frame, num_frames, seqlen, capacity, state.device, state.dtype)
         if self._last_static_call is not None and self._last_static_call[0] == key:
             return self._last_static_call[1]
@@ -360,41 +206,14 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
 
     def static_buffers(self, block_idx: int, cache_tag: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The fixed-size K/V buffers ``(B, capacity * S, H, D)`` of one block and tag (not for an 8-bit cache)."""
-        if self.kv_cache_dtype is not None:
+        view = self._self_kv[block_idx][cache_tag].view()
+        if view is None:
             raise RuntimeError("An 8-bit KV cache has no compute-dtype buffers to attend to in place.")
-        entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
-        return entry.key, entry.value
+        return view
 
     def commit_static_store(self, cache_tag: str, start_frame: int, num_frames: int) -> None:
         """Record a store whose K/V the attention of a :meth:`static_call` already wrote into their slots."""
         self._store_window(self._tags[cache_tag], start_frame, start_frame + num_frames)
-
-    # ------------------------------------------------------------------ stores and edits
-    def append_self_kv(self, block_idx, cache_tag, key, value, start_frame):
-        entry: StaticSelfEntry = self._self_kv[block_idx][cache_tag]
-        state = self._tags[cache_tag]
-        end_frame = start_frame + key.shape[1] // state.frame_seqlen
-        for frames in self._store_window(state, start_frame, end_frame):
-            self._write(entry, state, key.detach(), value.detach(), start_frame, frames)
-
-    def _truncate_self_entry(self, entry: StaticSelfEntry, state: TagState, end_frame: int) -> None:
-        """Nothing to free: slots are fixed, and the tag state says which frames are held."""
-
-    def _evict_self_entry(self, entry: StaticSelfEntry, state: TagState, before: int) -> None:
-        """Nothing to free: evicted frames' slots are overwritten by the frames that replace them."""
-
-    def _rotate_self_entry(
-        self, entry: StaticSelfEntry, state: TagState, rotate: Callable[[torch.Tensor], torch.Tensor]
-    ) -> None:
-        self._keep_for_undo(entry, 0, entry.key.shape[1] // state.frame_seqlen, state.frame_seqlen)
-        entry.key[:, :] = self._encode_kv(rotate(self._decode_kv(entry.key, state)), state)
-
-    def _copy_self_entry(self, entry: StaticSelfEntry) -> StaticSelfEntry:
-        # Buffers are written in place, so a fork needs its own.
-        return StaticSelfEntry(entry.key.clone(), entry.value.clone())
-
-    def _self_entry_tensors(self, entry: StaticSelfEntry) -> list[torch.Tensor]:
-        return [*stored_tensors(entry.key), *stored_tensors(entry.value)]
 
     # ------------------------------------------------------------------ memory
     def self_cache_bytes(self, cache_tag: str | None = None) -> int:
