@@ -14,15 +14,24 @@ import traceback
 from pathlib import Path
 
 from .. import __version__
+from ..settings import (
+    KEY_POSITIONS,
+    KV_CACHE_DTYPE_NAMES,
+    RECACHE_SINKS,
+    SINK_UPDATES,
+    RolloutSettings,
+    policy_names,
+)
 from .checks import (
-    POSITION_FLAGS,
     UsageError,
     check_generate_arguments,
     check_prompt_switches,
     prompt_switches,
     read_media,
+    settings_arguments,
     wants_vace,
 )
+from .common import SETTINGS_FLAGS
 from .convert import add_convert_subparser
 from .decoder import add_decoder_arguments, check_decoder_arguments, use_decoder
 from .i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
@@ -32,18 +41,28 @@ from .v2v import add_input_video_arguments, input_video_kwargs, load_v2v_pipelin
 
 DTYPES = ("bfloat16", "float16", "float32")
 CONTEXT_PARALLEL_MODES = ("ulysses",)  # fastgen_diffusers.parallel.CONTEXT_PARALLEL_MODES (a test keeps them equal)
-KV_CACHE_DTYPES = (
-    "float8_e4m3fn",
-    "int8",
-)  # fastgen_diffusers.kv_cache.KV_CACHE_DTYPE_NAMES (a test keeps them equal)
+KV_CACHE_DTYPES = KV_CACHE_DTYPE_NAMES
 
 
-# Flags passed to the pipeline call under their own name when given (`--keep-first-frame` when set); every pipeline
-# takes them, and the combinations a pipeline cannot run are refused before loading (cli_checks, tested).
-FORWARDED_OPTIONS = (
-    "kv_cache_policy", "context_frames", "kv_cache_attention_bias", "keep_first_frame", "prompt_transition_chunks",
-    *POSITION_FLAGS, "kv_cache_dtype",
-)  # fmt: skip
+class RopeCutAction(argparse.Action):
+    """``--rope-cut``: ``True`` (a cut at every ``--prompt-switch``), or the switch frames given after it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, tuple(values) if values else True)
+
+
+def settings_help(dest: str) -> str:
+    """The ``--help`` text of the settings flag ``dest``: the documentation of the settings value it sets
+    ([`RolloutSettings.help_of`]), so that help and behaviour cannot disagree (``%`` escaped for argparse)."""
+    return RolloutSettings.help_of(SETTINGS_FLAGS[dest]).replace("%", "%%")
+
+
+def add_settings_argument(group, dest: str, **kwargs) -> None:
+    """Add the settings flag ``--<dest>`` (``None`` when left out: the model's stored value stands), with the value's
+    documentation as its help."""
+    if kwargs.get("action") == "store_true":
+        kwargs["default"] = None
+    group.add_argument("--" + dest.replace("_", "-"), help=settings_help(dest), **kwargs)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -74,12 +93,13 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-frames", type=int, help="pixel frames, 4k+1 (default: 81; 21 for the tiny model)")
     parser.add_argument("--height", type=int, help="multiple of 16 (default: 480; 64 for the tiny model)")
     parser.add_argument("--width", type=int, help="multiple of 16 (default: 832; 64 for the tiny model)")
-    parser.add_argument(
-        "--steps", type=int, help="denoising steps per chunk (default: the model's stored timesteps, else 4)"
+    sampling = parser.add_argument_group(
+        "sampling and cache settings",
+        "Each flag left out takes the model's stored setting (`fastgen-diffusers convert` stores the release's), else "
+        "the default named below.",
     )
-    parser.add_argument(
-        "--guidance-scale", type=float, default=1.0, help="CFG weight above 1; 0 or 1: no CFG (default 1)"
-    )
+    add_settings_argument(sampling, "steps", type=int)
+    add_settings_argument(sampling, "guidance_scale", type=float)
     parser.add_argument("--negative-prompt", help="negative prompt, used when --guidance-scale > 1")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--fps", type=int, default=16, help="frames per second of the video (default: 16)")
@@ -90,70 +110,27 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
         help="model dtype of --model (default: bfloat16 on cuda, float32 otherwise; the tiny model runs in float32)",
     )
     long_videos = parser.add_argument_group("long videos")
-    long_videos.add_argument(
-        "--attention-window", type=int, help="sliding attention window in latent frames (memory stays flat)"
-    )
-    long_videos.add_argument(
-        "--sink-frames", type=int, help="first latent frames kept inside --attention-window (default: 0)"
-    )
-    long_videos.add_argument(
-        "--kv-cache-policy",
-        choices=("sequential", "recompute", "rolling"),
-        help="KV cache policy; recompute (Krea) re-encodes --context-frames clean frames before each chunk, rolling "
-        "(Rolling Forcing, text-to-video) denoises a window of chunks at staggered noise levels per forward, "
-        "--attention-window frames per forward, 21 by default; --image/--video and VACE sample sequentially "
-        "(default: the model's stored one, else sequential)",
-    )
-    long_videos.add_argument(
-        "--context-frames",
-        type=int,
-        help="clean latent frames re-encoded per chunk under --kv-cache-policy recompute (default: the model's stored "
-        "one)",
-    )
-    long_videos.add_argument(
-        "--kv-cache-attention-bias",
-        type=float,
-        help="attention weight on cached frames other than the first during denoising (Krea's, with --kv-cache-policy "
-        "recompute; any policy and window, also with --image/--video, VACE and --input-video), in [0.01, 1] (1 = off)",
-    )
-    long_videos.add_argument(
-        "--rope-positions",
-        choices=("absolute", "window"),
-        help="temporal RoPE positions of cached keys; window (Reward Forcing) rotates them by their slot in the "
-        "window, so streams never leave the RoPE table (default: the model's stored one, else absolute)",
-    )
-    long_videos.add_argument(
-        "--sink-update",
-        choices=("fixed", "ema"),
-        help="ema (Reward Forcing) averages frames leaving the window into the sink, with --rope-positions window "
-        "(default: the model's stored one, else fixed)",
-    )
-    long_videos.add_argument(
-        "--sink-decay", type=float, help="decay of --sink-update ema, in (0, 1) (default: stored, else 0.999)"
-    )
-    long_videos.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        help="store the self-attention KV cache in 8 bits with per-frame scales (about 4x less than float32, a small "
-        "output error; default: off, the model dtype)",
-    )
-    long_videos.add_argument(
-        "--keep-first-frame",
-        action="store_true",
-        help="under --kv-cache-policy recompute, keep the first latent frame as the context's anchor (Krea's "
-        "keep_first_frame) instead of re-encoding a decoded frame",
-    )
+    add_settings_argument(long_videos, "attention_window", type=int)
+    add_settings_argument(long_videos, "sink_frames", type=int)
+    add_settings_argument(long_videos, "kv_cache_policy", choices=policy_names())
+    add_settings_argument(long_videos, "context_frames", type=int)
+    add_settings_argument(long_videos, "kv_cache_attention_bias", type=float)
+    add_settings_argument(long_videos, "rope_positions", choices=tuple(KEY_POSITIONS))
+    add_settings_argument(long_videos, "sink_update", choices=SINK_UPDATES)
+    add_settings_argument(long_videos, "sink_decay", type=float)
+    add_settings_argument(long_videos, "kv_cache_dtype", choices=KV_CACHE_DTYPES)
+    add_settings_argument(long_videos, "keep_first_frame", action="store_true")
     long_videos.add_argument(
         "--prompt-switch",
         action="append",
         metavar="FRAME:PROMPT",
         help="switch to PROMPT at pixel frame FRAME (repeatable; --prompt holds from frame 0)",
     )
-    long_videos.add_argument(
-        "--prompt-transition-chunks",
-        type=int,
-        help="blend each --prompt-switch in over this many chunks (Krea's prompt interpolation; 0/1: at once)",
-    )
+    add_settings_argument(long_videos, "prompt_transition_chunks", type=int)
+    add_settings_argument(long_videos, "recache", action="store_true")
+    add_settings_argument(long_videos, "recache_sink", choices=RECACHE_SINKS)
+    add_settings_argument(long_videos, "kv_flush", action="store_true")
+    add_settings_argument(long_videos, "rope_cut", action=RopeCutAction, nargs="*", type=int, metavar="FRAME")
     parser.add_argument(
         "--stream", action="store_true", help="write frames to the video as chunks finish; print time to first frames"
     )
@@ -269,19 +246,13 @@ def run_generate(args: argparse.Namespace) -> int:
         "height": args.height,
         "width": args.width,
         "num_frames": args.num_frames,
-        "num_inference_steps": args.steps,
-        "guidance_scale": args.guidance_scale,
         "generator": torch.Generator(device="cpu").manual_seed(args.seed),
         **inputs,
     }
     if wants_v2v(args):  # the output length is the input video's (its whole chunks)
         del call_kwargs["num_frames"]
         call_kwargs["strength"] = strength_argument(args)
-    if args.attention_window is not None:
-        call_kwargs.update(attention_window=args.attention_window, sink_frames=args.sink_frames or 0)
-    for name in FORWARDED_OPTIONS:
-        if getattr(args, name) not in (None, False):
-            call_kwargs[name] = getattr(args, name)
+    call_kwargs.update(settings_arguments(args))  # the flags given; the model's stored settings fill the rest
     if args.prompt_switch:
         call_kwargs["prompt"] = {0: args.prompt, **prompt_switches(args)}
 

@@ -19,6 +19,30 @@ TINY_I2V_LAYOUT = {**TINY_LAYOUT, "independent_first_frame": True}
 LAYOUT_DEFAULTS = {"chunk_size": 3, "independent_first_frame": False, "rope_max_seq_len": 1024}
 
 
+# `generate`'s flags that set a settings value (fastgen_diffusers.settings): flag dest -> the settings argument (the
+# pipelines' keyword argument) it sets. Each flag's help is the value's own documentation; a flag left out is None,
+# so the model's stored value (or the default) stands; the pre-load checks build the same RolloutSettings.
+SETTINGS_FLAGS = {
+    "steps": "num_inference_steps",
+    "guidance_scale": "guidance_scale",
+    "attention_window": "attention_window",
+    "sink_frames": "sink_frames",
+    "kv_cache_policy": "kv_cache_policy",
+    "context_frames": "context_frames",
+    "keep_first_frame": "keep_first_frame",
+    "kv_cache_attention_bias": "kv_cache_attention_bias",
+    "rope_positions": "rope_positions",
+    "sink_update": "sink_update",
+    "sink_decay": "sink_decay",
+    "kv_cache_dtype": "kv_cache_dtype",
+    "prompt_transition_chunks": "prompt_transition_chunks",
+    "recache": "recache",
+    "recache_sink": "recache_sink",
+    "kv_flush": "kv_flush",
+    "rope_cut": "rope_cut",
+}
+
+
 class UsageError(ValueError):
     """A bad command line: ``cli.main`` prints it as one line (no traceback) and exits with status 2."""
 

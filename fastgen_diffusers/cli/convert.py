@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..settings import KEY_POSITIONS, SINK_UPDATES, RolloutSettings, policy_names
+
 __all__ = ["add_convert_subparser", "run_convert"]
 
 # fastgen_diffusers.convert.core.DTYPE_NAMES (a test keeps them equal): what a safetensors shard holds
@@ -29,6 +31,12 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _settings_argument(group, name: str, **kwargs) -> None:
+    """Add the settings flag ``--<name>``, its help the value's documentation ([`RolloutSettings.help_of`])."""
+    help_text = RolloutSettings.help_of(name).replace("%", "%%")
+    group.add_argument("--" + name.replace("_", "-"), default=None, help=help_text, **kwargs)
+
+
 def _formats_epilog() -> str:
     from ..convert.formats import STUDENT_FORMATS
 
@@ -40,7 +48,7 @@ def _formats_epilog() -> str:
 
 def add_convert_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``convert`` on a ``fastgen-diffusers`` subparsers object (``func=run_convert``)."""
-    from ..convert.formats import FORMATS, KV_CACHE_POLICIES
+    from ..convert.formats import FORMATS
 
     parser = subparsers.add_parser(
         "convert",
@@ -86,14 +94,14 @@ def add_convert_subparser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     lora.add_argument(
         "--keep-lora", action="store_true", help="write the LoRA next to the pipeline for pipe.load_lora_weights"
     )
-    sampling = parser.add_argument_group("sampling settings (default: the format's released inference config)")
+    sampling = parser.add_argument_group(
+        "sampling settings",
+        "Stored with the pipeline as its default settings (each left out: the format's released inference config); "
+        "a setting the converted model could not sample is refused before anything is written.",
+    )
     sampling.add_argument("--chunk-size", type=_positive_int, default=None, help="latent frames per causal chunk")
-    sampling.add_argument(
-        "--timesteps", type=float, nargs="+", default=None, help="model-scale timesteps per chunk, descending, no 0"
-    )
-    sampling.add_argument(
-        "--first-chunk-timesteps", type=float, nargs="+", default=None, help="timesteps of the first chunk only"
-    )
+    _settings_argument(sampling, "timesteps", type=float, nargs="+")
+    _settings_argument(sampling, "first_chunk_timesteps", type=float, nargs="+")
     sampling.add_argument(
         "--warp-shift",
         type=float,
@@ -101,29 +109,21 @@ def add_convert_subparser(subparsers: argparse._SubParsersAction) -> argparse.Ar
         help="treat the timesteps as Self-Forcing denoising_step_list indices and warp them with this shift",
     )
     sampling.add_argument("--shift", type=float, default=None, help="flow-matching shift")
-    sampling.add_argument("--context-noise", type=float, default=None, help="timestep of the pass that caches a chunk")
+    _settings_argument(sampling, "context_noise", type=float)
     sampling.add_argument(
         "--independent-first-frame",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="the first latent frame is a chunk of its own",
     )
-    sampling.add_argument("--attention-window", type=_positive_int, default=None, help="attention window (frames)")
-    sampling.add_argument("--sink-frames", type=_non_negative_int, default=None, help="sink frames inside the window")
-    sampling.add_argument(
-        "--kv-cache-policy", choices=KV_CACHE_POLICIES, default=None, help="sequential, recompute (Krea) or rolling"
-    )
-    sampling.add_argument(
-        "--context-frames", type=_positive_int, default=None, help="frames re-encoded per chunk (recompute)"
-    )
-    sampling.add_argument(
-        "--kv-cache-attention-bias", type=float, default=None, help="attention weight on cached frames, [0.01, 1]"
-    )
-    sampling.add_argument(
-        "--rope-positions", choices=("absolute", "window"), default=None, help="RoPE positions of cached keys"
-    )
-    sampling.add_argument("--sink-update", choices=("fixed", "ema"), default=None, help="ema: Reward Forcing's sink")
-    sampling.add_argument("--sink-decay", type=float, default=None, help="decay of the EMA sink, in (0, 1)")
+    _settings_argument(sampling, "attention_window", type=_positive_int)
+    _settings_argument(sampling, "sink_frames", type=_non_negative_int)
+    _settings_argument(sampling, "kv_cache_policy", choices=policy_names())
+    _settings_argument(sampling, "context_frames", type=_positive_int)
+    _settings_argument(sampling, "kv_cache_attention_bias", type=float)
+    _settings_argument(sampling, "rope_positions", choices=tuple(KEY_POSITIONS))
+    _settings_argument(sampling, "sink_update", choices=SINK_UPDATES)
+    _settings_argument(sampling, "sink_decay", type=float)
     parser.add_argument(
         "--allow-non-finite", action="store_true", help="convert weights holding NaN/Inf instead of refusing them"
     )
