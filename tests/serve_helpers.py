@@ -68,3 +68,22 @@ async def receive_chunks(ws, count: int, timeout: float = 60) -> list[tuple[dict
         frames = [await receive_message(ws, timeout) for _ in range(message["frames"])]
         chunks.append((message, frames))
     return chunks
+
+
+def throttle_sends(server, send_buffer: int = 8192) -> None:
+    """Give the server's connections small kernel send buffers (accepted sockets inherit the listening socket's), so
+    that a client that stops reading holds up the server's sends after a few frames rather than megabytes."""
+    for sock in server.servers[0].sockets:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+
+
+def slow_reader(address: str, receive_buffer: int = 4096):
+    """``websockets.connect`` to ``/ws`` as a client that reads only when asked: a small kernel receive buffer and a
+    one-message queue, so that the server's sends wait on it (with [`throttle_sends`])."""
+    import websockets
+
+    host, port = address.rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.connect((host, int(port)))
+    return websockets.connect(f"ws://{address}/ws", sock=sock, max_queue=1)

@@ -371,15 +371,14 @@ def test_windowed_sequential_rollout_takes_the_bias_on_its_denoising_forwards_on
 
 
 def test_cli_takes_the_bias_with_any_policy():
-    import argparse
+    from fastgen_diffusers.cli import app as cli
+    from fastgen_diffusers.cli.checks import UsageError, generate_settings
 
-    from fastgen_diffusers.cli.checks import UsageError, check_kv_cache_policy
+    def settings(*flags):
+        argv = ["generate", "--prompt", "a fox", "--attention-window", "6", "--sink-frames", "1", *flags]
+        return generate_settings(cli.build_parser().parse_args(argv))
 
-    def args(**kwargs):
-        base = {"kv_cache_policy": None, "context_frames": None, "attention_window": 6, "sink_frames": 1}
-        return argparse.Namespace(**{**base, "kv_cache_attention_bias": 0.3, **kwargs})
-
-    check_kv_cache_policy(args())
-    check_kv_cache_policy(args(kv_cache_policy="sequential"))
+    assert settings("--kv-cache-attention-bias", "0.3").cache.kv_cache_attention_bias == 0.3
+    assert settings("--kv-cache-attention-bias", "0.3", "--kv-cache-policy", "sequential").policy.name == "sequential"
     with pytest.raises(UsageError, match=r"\[0.01, 1\]"):
-        check_kv_cache_policy(args(kv_cache_attention_bias=2.0))
+        settings("--kv-cache-attention-bias", "2.0")

@@ -203,39 +203,51 @@ def test_convert_is_a_subcommand(capsys):
     assert "--checkpoint" in capsys.readouterr().out
 
 
-# A valid value of each option `generate` forwards to the pipeline call (valid for text-to-video).
-FORWARDED_FLAGS = {
+# A valid value of each settings flag `generate` passes to the pipeline call (valid for text-to-video).
+SETTINGS_FLAG_VALUES = {
+    "steps": ["--steps", "2"],
+    "timesteps": ["--timesteps", "1000", "500"],
+    "first_chunk_timesteps": ["--first-chunk-timesteps", "1000", "750", "500"],
+    "context_noise": ["--context-noise", "100"],
+    "guidance_scale": ["--guidance-scale", "3"],
+    "attention_window": ["--attention-window", "6"],
+    "sink_frames": ["--attention-window", "6", "--sink-frames", "3"],
     "kv_cache_policy": ["--kv-cache-policy", "recompute", "--context-frames", "3"],
     "context_frames": ["--kv-cache-policy", "recompute", "--context-frames", "3"],
     "kv_cache_attention_bias": ["--kv-cache-attention-bias", "0.5"],
     "keep_first_frame": ["--kv-cache-policy", "recompute", "--context-frames", "3", "--keep-first-frame"],
     "prompt_transition_chunks": ["--prompt-switch", "13:a dog", "--prompt-transition-chunks", "2"],
+    "recache": ["--prompt-switch", "13:a dog", "--recache"],
     "rope_positions": ["--rope-positions", "window", "--attention-window", "6"],
     "sink_update": [
-        "--sink-update",
-        "ema",
-        "--rope-positions",
-        "window",
-        "--attention-window",
-        "6",
-        "--sink-frames",
-        "3",
+        "--sink-update", "ema", "--rope-positions", "window", "--attention-window", "9", "--sink-frames", "3",
     ],
-    "sink_decay": ["--sink-decay", "0.9"],
+    "sink_decay": [
+        "--sink-update", "ema", "--rope-positions", "window", "--attention-window", "9", "--sink-frames", "3",
+        "--sink-decay", "0.9",
+    ],
     "kv_cache_dtype": ["--kv-cache-dtype", "int8"],
-}
+    "recache_sink": [
+        "--prompt-switch", "13:a dog", "--recache", "--recache-sink", "keep", "--attention-window", "6",
+        "--sink-frames", "3",
+    ],
+    "kv_flush": ["--prompt-switch", "13:a dog", "--kv-flush", "--attention-window", "6", "--sink-frames", "1"],
+    "rope_cut": ["--prompt-switch", "13:a dog", "--rope-cut", "--rope-positions", "window", "--attention-window", "6"],
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["t2v", "i2v", "vace", "v2v"])
-def test_every_forwarded_option_is_taken_by_its_pipeline_or_refused_before_loading(kind, tmp_path):
-    """Each option ``generate`` passes on is a parameter of the ``__call__`` of the pipeline its inputs pick
-    (``stream`` takes the same), or the pre-load checks refuse the combination: never a ``TypeError`` after a load."""
+def test_every_settings_flag_is_taken_by_its_pipeline_or_refused_before_loading(kind, tmp_path):
+    """Each settings flag ``generate`` passes on (under the settings' name) is a parameter of the ``__call__`` of the
+    pipeline its inputs pick (``stream`` takes the same), or the pre-load checks refuse the combination: never a
+    ``TypeError`` after a load."""
     import inspect
 
     import imageio
 
     from fastgen_diffusers import pipelines
-    from fastgen_diffusers.cli.checks import UsageError, check_generate_arguments
+    from fastgen_diffusers.cli.checks import UsageError, check_generate_arguments, settings_arguments
+    from fastgen_diffusers.cli.common import SETTINGS_FLAGS
 
     imageio.imwrite(tmp_path / "frame.png", np.zeros((32, 32, 3), dtype=np.uint8))
     imageio.mimwrite(tmp_path / "clip.gif", [np.zeros((32, 32, 3), dtype=np.uint8)] * 21)
@@ -246,9 +258,9 @@ def test_every_forwarded_option_is_taken_by_its_pipeline_or_refused_before_loadi
         "v2v": (["--input-video", str(tmp_path / "clip.gif")], pipelines.WanCausalVideoToVideoPipeline),
     }[kind]
     parameters = inspect.signature(pipeline.__call__).parameters
-    assert set(FORWARDED_FLAGS) == set(cli.FORWARDED_OPTIONS)
+    assert set(SETTINGS_FLAG_VALUES) == set(SETTINGS_FLAGS)
     taken = []
-    for name, flags in FORWARDED_FLAGS.items():
+    for name, flags in SETTINGS_FLAG_VALUES.items():
         argv = ["generate", "--prompt", "a fox", "--output", str(tmp_path / "o.mp4"), *inputs, *flags]
         args = cli.build_parser().parse_args(argv)
         try:
@@ -257,13 +269,71 @@ def test_every_forwarded_option_is_taken_by_its_pipeline_or_refused_before_loadi
             # the conditioned pipelines refuse Krea's recompute (and what needs it) before loading
             assert kind in ("i2v", "vace") and "recompute" in flags, f"{name}: {error}"
             continue
-        given = [option for option in cli.FORWARDED_OPTIONS if getattr(args, option) not in (None, False)]
+        given = settings_arguments(args)
+        assert SETTINGS_FLAGS[name] in given
         assert set(given) <= set(parameters), (name, given)
         taken.append(name)
     if kind in ("t2v", "v2v"):
-        assert taken == list(FORWARDED_FLAGS)
+        assert taken == list(SETTINGS_FLAG_VALUES)
     else:
-        assert set(taken) == set(FORWARDED_FLAGS) - {"kv_cache_policy", "context_frames", "keep_first_frame"}
+        assert set(taken) == set(SETTINGS_FLAG_VALUES) - {"kv_cache_policy", "context_frames", "keep_first_frame"}
+
+
+def test_generate_passes_the_prompt_switch_cache_options(tmp_path, monkeypatch):
+    """``--recache-sink``, ``--kv-flush`` and ``--rope-cut`` (all switches, or the frames given) reach the pipeline
+    call as the settings' ``recache_sink`` / ``kv_flush`` / ``rope_cut``; a flag left out is not passed."""
+    from fastgen_diffusers.pipelines import WanCausalPipeline
+
+    names = ("prompt", "recache", "recache_sink", "kv_flush", "rope_cut")
+    seen = []
+    call = WanCausalPipeline.__call__
+
+    def recording(self, *args, **kwargs):
+        seen.append({name: kwargs[name] for name in names if name in kwargs})
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(WanCausalPipeline, "__call__", recording)
+    base = ["generate", "--prompt", "a fox", "--output", str(tmp_path / "o.mp4"), "--num-frames", "21"]
+    base += ["--height", "32", "--width", "32", "--steps", "1", "--prompt-switch", "9:a dog"]
+    window = ["--attention-window", "6", "--sink-frames", "3"]
+    assert cli.main([*base, *window, "--recache", "--recache-sink", "keep"]) == 0
+    assert cli.main([*base, *window, "--kv-flush"]) == 0
+    assert cli.main([*base, *window, "--rope-positions", "window", "--rope-cut"]) == 0
+    assert cli.main([*base, *window, "--rope-positions", "window", "--rope-cut", "9"]) == 0
+    prompt = {0: "a fox", 9: "a dog"}
+    assert seen == [
+        {"prompt": prompt, "recache": True, "recache_sink": "keep"},
+        {"prompt": prompt, "kv_flush": True},
+        {"prompt": prompt, "rope_cut": True},
+        {"prompt": prompt, "rope_cut": (9,)},
+    ]
+
+
+def _subcommand(name: str):
+    parser = cli.build_parser()
+    (subparsers,) = parser._subparsers._group_actions
+    return subparsers.choices[name]
+
+
+def test_settings_flags_help_is_the_settings_documentation():
+    """Each settings flag's ``--help`` (``generate`` and ``convert``) is the documentation of the settings value it
+    sets, word for word, so help and behaviour cannot disagree; a flag left out is ``None`` (the model's stored value,
+    or the format's, stands); the policy choices are the registry's."""
+    from fastgen_diffusers.cli.common import SETTINGS_FLAGS
+    from fastgen_diffusers.settings import RolloutSettings, argument_names, policy_names
+
+    generate = {action.dest: action for action in _subcommand("generate")._actions}
+    for dest, name in SETTINGS_FLAGS.items():
+        assert generate[dest].help.replace("%%", "%") == RolloutSettings.help_of(name), dest
+        assert generate[dest].default is None, dest
+    convert = {action.dest: action for action in _subcommand("convert")._actions}
+    settings_flags = [dest for dest in convert if dest in argument_names()]
+    assert len(settings_flags) >= 10, settings_flags
+    for dest in settings_flags:
+        assert convert[dest].help.replace("%%", "%") == RolloutSettings.help_of(dest), dest
+        assert convert[dest].default is None, dest
+    for actions in (generate, convert):
+        assert tuple(actions["kv_cache_policy"].choices) == policy_names()
 
 
 def test_the_attention_bias_reaches_image_to_video_and_changes_its_frames(tmp_path, monkeypatch):

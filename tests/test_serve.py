@@ -22,6 +22,8 @@ from serve_helpers import (  # noqa: E402
     receive_message,
     receive_until,
     running_server,
+    slow_reader,
+    throttle_sends,
 )
 
 from fastgen_diffusers import WanCausalVideoToVideoPipeline, testing  # noqa: E402
@@ -109,13 +111,20 @@ def test_session_streams_jpeg_chunks_then_a_live_prompt_change_equals_stream_wit
         for frame in frames:
             assert decode_jpeg(frame, (32, 32)).shape == (32, 32, 3)
     assert switch in (1, 2)
-    switch_frame = chunks[switch][0]["frame_start"]
-    served = raw_frames(chunks)
+    (switch_meta,) = [meta for meta, _ in chunks if meta["index"] == switch]
+    switch_frame = switch_meta["frame_start"]
     expected = stream_frames(pipe, {0: PROMPT, switch_frame: NEW_PROMPT})
     unchanged = stream_frames(pipe, PROMPT)
-    np.testing.assert_array_equal(served, expected)
-    np.testing.assert_array_equal(served[:switch_frame], unchanged[:switch_frame])
-    assert not np.array_equal(served[switch_frame:], unchanged[switch_frame:])
+    assert chunks[-1][0]["index"] == 2 and [meta["index"] for meta, _ in chunks] == sorted(
+        meta["index"] for meta, _ in chunks
+    )
+    for meta, frames in chunks:  # a chunk still queued when the change arrived may have been dropped
+        first, served = meta["frame_start"], raw_frames([(meta, frames)])
+        np.testing.assert_array_equal(served, expected[first : first + len(served)])
+        if meta["index"] < switch:
+            np.testing.assert_array_equal(served, unchanged[first : first + len(served)])
+        else:
+            assert not np.array_equal(served, unchanged[first : first + len(served)])
 
 
 def test_two_sessions_take_turns_and_each_matches_its_solo_stream(server, pipe):
@@ -344,11 +353,16 @@ def test_a_slow_client_pauses_or_drops_its_own_session_and_never_delays_another(
             frames = None if name != "other" else 9
             manager.request_start(session, {"prompt": PROMPT, "settings": settings, "num_frames": frames,
                                             "input": "text"})  # fmt: skip
-        kinds = lambda name: [item[0] if item[0] == "chunk" else item[1]["type"] for item in posted[name]]  # noqa: E731
-        _wait_for(lambda: kinds("drop").count("dropped") >= 2 and "stopped" in kinds("other"))
+        kinds = lambda name: [item[0] if item[0] != "json" else item[1]["type"] for item in posted[name]]  # noqa: E731
+        _wait_for(lambda: sessions["drop"].dropped_chunks >= 3 and "stopped" in kinds("other"))
         assert kinds("wait").count("chunk") == manager.max_pending_chunks  # paused, nothing dropped
         assert "dropped" not in kinds("wait") and kinds("drop").count("chunk") == manager.max_pending_chunks
-        manager.chunk_sent(sessions["wait"])  # the client reads one: the session runs one more chunk
+        assert kinds("drop").count("dropped") == 1  # one notice waits for a run of dropped chunks
+        notice = manager.take_drop_notice(sessions["drop"])
+        assert notice["type"] == "dropped" and notice["chunks"] >= 3 and notice["reason"] == "slow_client"
+        first = next(item[1] for item in posted["wait"] if item[0] == "chunk")
+        assert manager.take_chunk(sessions["wait"], first) is not None  # the client reads one chunk:
+        manager.chunk_sent(sessions["wait"])  # the session runs one more
         _wait_for(lambda: kinds("wait").count("chunk") == manager.max_pending_chunks + 1)
     finally:
         for session in sessions.values():
@@ -410,4 +424,141 @@ def test_a_message_over_the_size_limit_closes_only_its_connection_naming_the_lim
     (code, reason), chunks = asyncio.run(run())
     assert code == 1009 and str(MAX_MESSAGE_BYTES) in reason
     np.testing.assert_array_equal(raw_frames(chunks), stream_frames(pipe, PROMPT))
+    asyncio.run(wait_idle(address))
+
+
+@pytest.fixture(scope="module")
+def slow_server(pipe):
+    """A server whose sends wait on a client that stops reading after a few frames ([`throttle_sends`])."""
+    with running_server(pipe) as (address, srv):
+        throttle_sends(srv)
+        yield address, srv
+
+
+async def stalled(address, srv, settings=RAW, num_frames=241, prompt=PROMPT):
+    """A [`slow_reader`] connection whose stream runs until the server's sends wait on it: ``(ws, session, chunks
+    generated)``, with 2 chunks pending (one being sent, one queued)."""
+    ws = await slow_reader(address)
+    await ws.send(start(prompt, settings, num_frames))
+    deadline = time.monotonic() + 60
+    while True:
+        await asyncio.sleep(0.3)
+        (session,) = srv.manager.sessions.values()
+        generated = session.next_chunk
+        await asyncio.sleep(0.3)
+        held = session.pending_chunks == 2 and bool(session.queued)
+        if held and (session.dropped_chunks or session.next_chunk == generated):  # dropping, or waiting
+            return ws, session, session.next_chunk
+        assert time.monotonic() < deadline, "the slow reader never held up the server"
+
+
+def split_messages(messages):
+    """``(chunks as (meta, frames), other JSON messages)`` of received messages, in order."""
+    chunks, others = [], []
+    for message in messages:
+        if isinstance(message, bytes):
+            chunks[-1][1].append(message)
+        elif message["type"] == "chunk":
+            chunks.append((message, []))
+        else:
+            others.append(message)
+    return chunks, others
+
+
+@pytest.mark.parametrize("mode", ["wait", "drop"])
+def test_a_slow_reader_holds_up_only_its_own_session_in_bounded_memory(slow_server, pipe, mode):
+    """A client that stops reading: its session waits (or drops chunks, reported in one coalesced message) with at
+    most 2 chunks and a few messages queued, while another session streams its whole video meanwhile."""
+    address, srv = slow_server
+
+    async def fast():
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(NEW_PROMPT, {**RAW, "seed": 3}))
+            chunks = await receive_chunks(ws, 3)
+            await receive_until(ws, "stopped")
+            return chunks
+
+    async def run():
+        ws, session, generated = await stalled(address, srv, {**RAW, "slow_client": mode}, num_frames=481)
+        other = asyncio.create_task(fast())
+        peaks = {"queued_chunks": 0, "queued_messages": 0}
+        while not other.done():
+            state = health(address)
+            peaks = {name: max(value, state[name]) for name, value in peaks.items()}
+            await asyncio.sleep(0.02)
+        fast_chunks = await other
+        if mode == "drop":  # the slow session went on meanwhile, dropping its chunks
+            _wait_for(lambda: session.next_chunk >= generated + 5)
+        ran_meanwhile = session.next_chunk - generated
+        state = health(address)
+        await ws.send(json.dumps({"type": "stop"}))
+        messages = await receive_until(ws, "stopped")
+        await ws.close()
+        return fast_chunks, peaks, state, ran_meanwhile, split_messages(messages)
+
+    fast_chunks, peaks, state, ran_meanwhile, (chunks, others) = asyncio.run(run())
+    np.testing.assert_array_equal(raw_frames(fast_chunks), stream_frames(pipe, NEW_PROMPT, seed=3))
+    # bounded: 2 chunks of each session at most, and one pending notice for any number of dropped chunks
+    assert peaks["queued_chunks"] <= 4 and state["queued_chunks"] == 2 and state["queued_messages"] <= 2, peaks
+    indices = [meta["index"] for meta, _ in chunks]
+    dropped = [m for m in others if m["type"] == "dropped"]
+    if mode == "wait":
+        assert ran_meanwhile == 0 and not dropped and indices == list(range(len(indices)))
+    else:
+        assert ran_meanwhile >= 5 and len(dropped) == 1 and dropped[0]["reason"] == "slow_client"
+        assert dropped[0]["chunks"] >= ran_meanwhile and dropped[0]["index"] > indices[-1]
+    asyncio.run(wait_idle(address))
+
+
+def test_a_prompt_change_purges_the_chunks_queued_under_the_old_prompt(slow_server, pipe):
+    """The server holds a chunk for a client that lags; a prompt change drops it (reported as ``dropped``) and the
+    next chunk the client gets is the first of the new prompt."""
+    address, srv = slow_server
+
+    async def run():
+        ws, session, generated = await stalled(address, srv, num_frames=12 * 12 + 1)
+        queued = session.queued[0].meta["index"]
+        await ws.send(json.dumps({"type": "prompt", "prompt": NEW_PROMPT, "transition_chunks": 0}))
+        _wait_for(lambda: not session.queued or session.queued[0].meta["index"] != queued)
+        messages = await receive_until(ws, "stopped")
+        await ws.close()
+        return queued, generated, split_messages(messages)
+
+    queued, generated, (chunks, others) = asyncio.run(run())
+    dropped = [m for m in others if m["type"] == "dropped"]
+    assert dropped == [{"type": "dropped", "index": queued, "chunks": 1, "frames": 12, "reason": "prompt"}]
+    (switch,) = [m["index"] for m in others if m["type"] == "prompt"]
+    indices = [meta["index"] for meta, _ in chunks]
+    assert queued == generated - 1 and switch == generated  # the queued chunk was the last of the old prompt
+    assert indices == [k for k in range(12) if k != queued]  # 37 latent frames: 12 chunks
+    switch_frame = chunks[indices.index(switch)][0]["frame_start"]
+    expected = stream_frames(pipe, {0: PROMPT, switch_frame: NEW_PROMPT}, num_frames=12 * 12 + 1)
+    for meta, frames in chunks:  # after the switch up to rounding: the new prompt is encoded alone here
+        first, served = meta["frame_start"], raw_frames([(meta, frames)]).astype(int)
+        tolerance = 0 if meta["index"] < switch else 1
+        np.testing.assert_allclose(served, expected[first : first + len(frames)], rtol=0, atol=tolerance)
+    asyncio.run(wait_idle(address))
+
+
+def test_a_restart_purges_the_chunks_queued_for_a_lagging_client(slow_server, pipe):
+    """Stop then start while the server holds a chunk of the old run for a lagging client: that chunk is never
+    sent; every chunk after ``started`` is the new run's."""
+    address, srv = slow_server
+
+    async def run():
+        ws, session, generated = await stalled(address, srv)
+        await ws.send(json.dumps({"type": "stop"}))
+        await ws.send(start(NEW_PROMPT))
+        old = await receive_until(ws, "started")  # the first run's
+        old += await receive_until(ws, "started")  # its chunks on their way, `stopped`, the new run's
+        new = await receive_chunks(ws, 3)
+        await receive_until(ws, "stopped")
+        await ws.close()
+        return generated, split_messages(old), new
+
+    generated, (old_chunks, old_others), new = asyncio.run(run())
+    assert [meta["index"] for meta, _ in old_chunks] == list(range(generated - 1))  # the queued one never came
+    assert [m["type"] for m in old_others] == ["started", "stopped", "started"]
+    assert [meta["index"] for meta, _ in new] == [0, 1, 2]
+    np.testing.assert_array_equal(raw_frames(new), stream_frames(pipe, NEW_PROMPT))
     asyncio.run(wait_idle(address))

@@ -1,8 +1,7 @@
 """Every rule of the settings gives the same verdict and the same message at every door a setting enters by: a
 pipeline call, a stored pipeline config (the pipeline built with it, and a saved pipeline whose model_index.json holds
 it, loaded with `from_pretrained`) and `convert`'s stored settings. The rules and their cases are
-`test_settings.RULES`; a door is a function in `DOORS` (the CLI's door before any model loads joins the list the same
-way).
+`test_settings.RULES`; a door is a function in `DOORS`, the CLI's pre-load checks among them.
 
 A door is called as ``door(components, arguments, saved)`` and returns ``None`` when it accepts the settings, the
 ``ValueError``'s message when it refuses them, or ``NOT_A_DOOR`` when the settings cannot enter by it (a call-only
@@ -100,7 +99,25 @@ def convert_door(components, arguments, saved):
     return _refusal(lambda: get_format("self-forcing").sampling.replace(**arguments))
 
 
-DOORS = [call_door, stored_config_door, from_pretrained_door, convert_door]
+def cli_door(components, arguments, saved):
+    """``fastgen-diffusers generate --num-frames 45`` (the call's 4 chunks of 3 on the tiny model) with ``arguments``
+    as its settings flags, checked before any model loads (the settings built from the flags, then asked about the
+    rollout's chunks); not through argparse, whose ``choices`` refuse a bad name first."""
+    from fastgen_diffusers.cli import app
+    from fastgen_diffusers.cli.checks import generate_settings
+    from fastgen_diffusers.cli.common import SETTINGS_FLAGS
+    from fastgen_diffusers.cli.layout import check_rollout_layout
+
+    dests = {name: dest for dest, name in SETTINGS_FLAGS.items()}
+    if not set(arguments) <= set(dests):
+        return NOT_A_DOOR
+    args = app.build_parser().parse_args(["generate", "--prompt", "a fox", "--num-frames", "45"])
+    for name, value in arguments.items():
+        setattr(args, dests[name], value)
+    return _refusal(lambda: (generate_settings(args), check_rollout_layout(args)))
+
+
+DOORS = [call_door, stored_config_door, from_pretrained_door, convert_door, cli_door]
 
 
 @pytest.mark.parametrize(("rule", "arguments", "message"), RULES, ids=[f"{r[0]}-{i}" for i, r in enumerate(RULES)])

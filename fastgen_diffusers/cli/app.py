@@ -14,15 +14,17 @@ import traceback
 from pathlib import Path
 
 from .. import __version__
+from ..settings import KV_CACHE_DTYPE_NAMES
 from .checks import (
-    POSITION_FLAGS,
     UsageError,
     check_generate_arguments,
     check_prompt_switches,
     prompt_switches,
     read_media,
+    settings_arguments,
     wants_vace,
 )
+from .common import add_settings_arguments
 from .convert import add_convert_subparser
 from .decoder import add_decoder_arguments, check_decoder_arguments, use_decoder
 from .i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
@@ -32,18 +34,7 @@ from .v2v import add_input_video_arguments, input_video_kwargs, load_v2v_pipelin
 
 DTYPES = ("bfloat16", "float16", "float32")
 CONTEXT_PARALLEL_MODES = ("ulysses",)  # fastgen_diffusers.parallel.CONTEXT_PARALLEL_MODES (a test keeps them equal)
-KV_CACHE_DTYPES = (
-    "float8_e4m3fn",
-    "int8",
-)  # fastgen_diffusers.kv_cache.KV_CACHE_DTYPE_NAMES (a test keeps them equal)
-
-
-# Flags passed to the pipeline call under their own name when given (`--keep-first-frame` when set); every pipeline
-# takes them, and the combinations a pipeline cannot run are refused before loading (cli_checks, tested).
-FORWARDED_OPTIONS = (
-    "kv_cache_policy", "context_frames", "kv_cache_attention_bias", "keep_first_frame", "prompt_transition_chunks",
-    *POSITION_FLAGS, "kv_cache_dtype",
-)  # fmt: skip
+KV_CACHE_DTYPES = KV_CACHE_DTYPE_NAMES
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -74,12 +65,6 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-frames", type=int, help="pixel frames, 4k+1 (default: 81; 21 for the tiny model)")
     parser.add_argument("--height", type=int, help="multiple of 16 (default: 480; 64 for the tiny model)")
     parser.add_argument("--width", type=int, help="multiple of 16 (default: 832; 64 for the tiny model)")
-    parser.add_argument(
-        "--steps", type=int, help="denoising steps per chunk (default: the model's stored timesteps, else 4)"
-    )
-    parser.add_argument(
-        "--guidance-scale", type=float, default=1.0, help="CFG weight above 1; 0 or 1: no CFG (default 1)"
-    )
     parser.add_argument("--negative-prompt", help="negative prompt, used when --guidance-scale > 1")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--fps", type=int, default=16, help="frames per second of the video (default: 16)")
@@ -89,71 +74,18 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
         choices=DTYPES,
         help="model dtype of --model (default: bfloat16 on cuda, float32 otherwise; the tiny model runs in float32)",
     )
-    long_videos = parser.add_argument_group("long videos")
-    long_videos.add_argument(
-        "--attention-window", type=int, help="sliding attention window in latent frames (memory stays flat)"
+    settings = parser.add_argument_group(
+        "sampling and cache settings",
+        "Each flag left out takes the model's stored setting (`fastgen-diffusers convert` stores the release's), else "
+        "the default named below; the help of each is the setting's own documentation (fastgen_diffusers.settings).",
     )
-    long_videos.add_argument(
-        "--sink-frames", type=int, help="first latent frames kept inside --attention-window (default: 0)"
-    )
-    long_videos.add_argument(
-        "--kv-cache-policy",
-        choices=("sequential", "recompute", "rolling"),
-        help="KV cache policy; recompute (Krea) re-encodes --context-frames clean frames before each chunk, rolling "
-        "(Rolling Forcing, text-to-video) denoises a window of chunks at staggered noise levels per forward, "
-        "--attention-window frames per forward, 21 by default; --image/--video and VACE sample sequentially "
-        "(default: the model's stored one, else sequential)",
-    )
-    long_videos.add_argument(
-        "--context-frames",
-        type=int,
-        help="clean latent frames re-encoded per chunk under --kv-cache-policy recompute (default: the model's stored "
-        "one)",
-    )
-    long_videos.add_argument(
-        "--kv-cache-attention-bias",
-        type=float,
-        help="attention weight on cached frames other than the first during denoising (Krea's, with --kv-cache-policy "
-        "recompute; any policy and window, also with --image/--video, VACE and --input-video), in [0.01, 1] (1 = off)",
-    )
-    long_videos.add_argument(
-        "--rope-positions",
-        choices=("absolute", "window"),
-        help="temporal RoPE positions of cached keys; window (Reward Forcing) rotates them by their slot in the "
-        "window, so streams never leave the RoPE table (default: the model's stored one, else absolute)",
-    )
-    long_videos.add_argument(
-        "--sink-update",
-        choices=("fixed", "ema"),
-        help="ema (Reward Forcing) averages frames leaving the window into the sink, with --rope-positions window "
-        "(default: the model's stored one, else fixed)",
-    )
-    long_videos.add_argument(
-        "--sink-decay", type=float, help="decay of --sink-update ema, in (0, 1) (default: stored, else 0.999)"
-    )
-    long_videos.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        help="store the self-attention KV cache in 8 bits with per-frame scales (about 4x less than float32, a small "
-        "output error; default: off, the model dtype)",
-    )
-    long_videos.add_argument(
-        "--keep-first-frame",
-        action="store_true",
-        help="under --kv-cache-policy recompute, keep the first latent frame as the context's anchor (Krea's "
-        "keep_first_frame) instead of re-encoding a decoded frame",
-    )
-    long_videos.add_argument(
+    settings.add_argument(
         "--prompt-switch",
         action="append",
         metavar="FRAME:PROMPT",
         help="switch to PROMPT at pixel frame FRAME (repeatable; --prompt holds from frame 0)",
     )
-    long_videos.add_argument(
-        "--prompt-transition-chunks",
-        type=int,
-        help="blend each --prompt-switch in over this many chunks (Krea's prompt interpolation; 0/1: at once)",
-    )
+    add_settings_arguments(settings)
     parser.add_argument(
         "--stream", action="store_true", help="write frames to the video as chunks finish; print time to first frames"
     )
@@ -269,19 +201,13 @@ def run_generate(args: argparse.Namespace) -> int:
         "height": args.height,
         "width": args.width,
         "num_frames": args.num_frames,
-        "num_inference_steps": args.steps,
-        "guidance_scale": args.guidance_scale,
         "generator": torch.Generator(device="cpu").manual_seed(args.seed),
         **inputs,
     }
     if wants_v2v(args):  # the output length is the input video's (its whole chunks)
         del call_kwargs["num_frames"]
         call_kwargs["strength"] = strength_argument(args)
-    if args.attention_window is not None:
-        call_kwargs.update(attention_window=args.attention_window, sink_frames=args.sink_frames or 0)
-    for name in FORWARDED_OPTIONS:
-        if getattr(args, name) not in (None, False):
-            call_kwargs[name] = getattr(args, name)
+    call_kwargs.update(settings_arguments(args))  # the flags given; the model's stored settings fill the rest
     if args.prompt_switch:
         call_kwargs["prompt"] = {0: args.prompt, **prompt_switches(args)}
 

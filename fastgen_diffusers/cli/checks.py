@@ -2,19 +2,21 @@
 
 A multi-GB load must not precede "num_frames must be 4k+1": :func:`check_generate_arguments` refuses every bad number,
 missing file, unwritable output, unknown model path and absent device first, with a :class:`UsageError` naming the
-flag, which ``cli.main`` prints as one line. Nothing here imports the pipelines (the CLI tests block them while a bad
-command line runs); torch is imported only to probe ``--device``.
+flag, which ``cli.main`` prints as one line. The sampling and cache settings are checked by the settings values
+themselves: :func:`generate_settings` builds the pipeline's [`RolloutSettings`] from the flags and the model's stored
+settings, and ``cli.layout`` asks them about the rollout's chunks. Nothing here imports the pipelines (the CLI tests
+block them while a bad command line runs); torch is imported only to probe ``--device``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import tempfile
 from pathlib import Path
 
-from .common import TEMPORAL_FACTOR, UsageError, flag, stored_settings
+from ..settings import POLICIES, RolloutSettings
+from .common import SETTINGS_FLAGS, TEMPORAL_FACTOR, UsageError, flag, stored_settings, transformer_layout
 
 # Defaults for a real model (Wan2.1 480p) and for the built-in tiny random model (a seconds-long CPU smoke test).
 REAL_DEFAULTS = {"height": 480, "width": 832, "num_frames": 81}
@@ -43,8 +45,7 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
     check_output(args.output)
     if args.model is not None:
         check_model(args.model)
-    check_conditioned_options(args)
-    check_stored_settings(args, stored_settings(args.model))
+    generate_settings(args)
     if args.context_parallel:
         if wants_vace(args):  # the VACE transformer refuses it once loaded; say so before the load
             raise UsageError(
@@ -63,39 +64,21 @@ def _at_least(args: argparse.Namespace, name: str, minimum: int) -> None:
 
 
 def check_numbers(args: argparse.Namespace) -> None:
-    """Frame count 4k+1, size a positive multiple of 16, positive steps and fps, a finite guidance >= 1 or 0, a seed
-    torch takes, a positive window with a sink inside it (``0`` is refused, never read as "the default"). ``None``
-    frame count or size (``--input-video`` without them) is left to the video."""
+    """What the command line alone says about the video: frame count 4k+1, size a positive multiple of 16, positive
+    fps, a seed torch takes, ``--prompt-switch`` well formed, an 8-bit cache dtype this torch has. ``None`` frame
+    count or size (``--input-video`` without them) is left to the video. The settings (steps, guidance, window, policy,
+    ...) are the settings values' to check: :func:`generate_settings`."""
     if args.num_frames is not None and (args.num_frames < 1 or (args.num_frames - 1) % TEMPORAL_FACTOR):
         raise UsageError(f"--num-frames must be 4k+1 (1, 5, 9, ..., 81: whole latent frames), got {args.num_frames}.")
     for name in ("height", "width"):
         value = getattr(args, name)
         if value is not None and (value < SIZE_MULTIPLE or value % SIZE_MULTIPLE):
             raise UsageError(f"{flag(name)} must be a positive multiple of {SIZE_MULTIPLE}, got {value}.")
-    if args.steps is not None:
-        _at_least(args, "steps", 1)
     _at_least(args, "fps", 1)
-    guidance = args.guidance_scale
-    if not math.isfinite(guidance) or not (guidance == 0 or guidance >= 1):  # the pipelines' `guidance_scale` rule
-        raise UsageError(
-            f"--guidance-scale must be a finite number >= 1 or 0 (0 and 1 disable classifier-free guidance), got "
-            f"{guidance}."
-        )
     if not 0 <= args.seed < 2**64:
         raise UsageError(f"--seed must be in [0, 2**64), got {args.seed}.")
-    check_kv_cache_policy(args)
-    check_kv_cache_positions(args)
+    check_prompt_switches(args)
     check_kv_cache_dtype(args)
-    if args.attention_window is None:
-        if args.sink_frames is not None:
-            raise UsageError("--sink-frames needs --attention-window (the sink is kept inside the window).")
-        return
-    _at_least(args, "attention_window", 1)
-    sink = args.sink_frames or 0
-    if sink < 0 or sink >= args.attention_window:
-        raise UsageError(
-            f"--sink-frames must be in [0, --attention-window) = [0, {args.attention_window}), got {sink}."
-        )
 
 
 def prompt_switches(args: argparse.Namespace) -> dict[int, str]:
@@ -114,82 +97,11 @@ def prompt_switches(args: argparse.Namespace) -> dict[int, str]:
 
 
 def check_prompt_switches(args: argparse.Namespace) -> None:
-    """``--prompt-switch`` well formed and inside ``--num-frames``; ``--prompt-transition-chunks`` >= 0 and only with a
-    ``--prompt-switch``."""
+    """``--prompt-switch`` well formed; ``--prompt-transition-chunks`` only with a ``--prompt-switch`` (where each
+    switch takes effect is the settings' rule, checked once the chunks are known: ``cli.layout``)."""
     switches = prompt_switches(args)
-    num_frames = getattr(args, "num_frames", None)
-    late = [frame for frame in switches if num_frames is not None and frame >= num_frames]
-    if late:
-        raise UsageError(f"--prompt-switch at pixel frame {late[0]} is past the video's {num_frames} frames.")
-    chunks = getattr(args, "prompt_transition_chunks", None)
-    if chunks is None:
-        return
-    if chunks < 0:
-        raise UsageError(f"--prompt-transition-chunks must be at least 0 (0 and 1: switch at once), got {chunks}.")
-    if not switches:
+    if getattr(args, "prompt_transition_chunks", None) is not None and not switches:
         raise UsageError("--prompt-transition-chunks needs a --prompt-switch FRAME:PROMPT to blend in.")
-
-
-def check_kv_cache_policy(args: argparse.Namespace) -> None:
-    """``--context-frames`` >= 1, only with ``--kv-cache-policy recompute``, which does not combine with
-    ``--attention-window``/``--sink-frames``; ``--kv-cache-attention-bias`` in [0.01, 1] (any policy);
-    ``--kv-cache-policy rolling`` is text-to-video only and keeps its first chunk as the sink (no
-    ``--sink-frames``)."""
-    if getattr(args, "kv_cache_policy", None) == "rolling":
-        if args.sink_frames is not None:
-            raise UsageError("--kv-cache-policy rolling keeps its first chunk as the sink: pass no --sink-frames.")
-        positions = [name for name in POSITION_FLAGS if getattr(args, name, None) is not None]
-        if positions:
-            raise UsageError(
-                f"{flag(positions[0])} cannot be combined with --kv-cache-policy rolling (it positions its keys "
-                "itself: absolute, the anchor re-rotated)."
-            )
-        conditioned = [f"--{name.replace('_', '-')}" for name in ROLLING_REFUSED_INPUTS if getattr(args, name, None)]
-        if conditioned:
-            raise UsageError(
-                f"--kv-cache-policy rolling drives text-to-video only; it cannot be combined with {conditioned[0]}."
-            )
-    recompute = getattr(args, "kv_cache_policy", None) == "recompute"
-    bias = getattr(args, "kv_cache_attention_bias", None)
-    if bias is not None and not (math.isfinite(bias) and 0.01 <= bias <= 1):
-        raise UsageError(f"--kv-cache-attention-bias must be in [0.01, 1] (1 = off), got {bias}.")
-    if getattr(args, "context_frames", None) is not None and not recompute:
-        raise UsageError(f"{flag('context_frames')} needs --kv-cache-policy recompute.")
-    if getattr(args, "keep_first_frame", False) and not recompute:
-        raise UsageError("--keep-first-frame needs --kv-cache-policy recompute (it picks the recompute anchor).")
-    check_prompt_switches(args)
-    if not recompute:
-        return
-    if args.attention_window is not None or args.sink_frames is not None:
-        raise UsageError(
-            "--kv-cache-policy recompute cannot be combined with --attention-window/--sink-frames "
-            "(the recompute context already bounds the cache)."
-        )
-    if args.context_frames is not None:
-        _at_least(args, "context_frames", 1)
-
-
-POSITION_FLAGS = ("rope_positions", "sink_update", "sink_decay")
-
-
-def check_kv_cache_positions(args: argparse.Namespace) -> None:
-    """``--sink-decay`` in (0, 1); ``--sink-update ema`` not with ``--rope-positions absolute`` nor ``--sink-frames
-    0``; none of them with ``--kv-cache-policy recompute``. What depends on the model's stored window is checked by
-    the pipeline (before any work)."""
-    given = [name for name in POSITION_FLAGS if getattr(args, name, None) is not None]
-    if given and getattr(args, "kv_cache_policy", None) == "recompute":
-        raise UsageError(f"{flag(given[0])} cannot be combined with --kv-cache-policy recompute (no sliding window).")
-    decay = getattr(args, "sink_decay", None)
-    if decay is not None and not (math.isfinite(decay) and 0 < decay < 1):
-        raise UsageError(f"--sink-decay must be in (0, 1) (exclusive), got {decay}.")
-    if getattr(args, "sink_update", None) != "ema":
-        return
-    if getattr(args, "rope_positions", None) == "absolute":
-        raise UsageError(
-            "--sink-update ema averages keys of frames at different positions: it needs --rope-positions window."
-        )
-    if args.attention_window is not None and not args.sink_frames:
-        raise UsageError("--sink-update ema averages evicted frames into the sink: give --sink-frames > 0.")
 
 
 def check_kv_cache_dtype(args: argparse.Namespace) -> None:
@@ -203,79 +115,80 @@ def check_kv_cache_dtype(args: argparse.Namespace) -> None:
         raise UsageError(f"--kv-cache-dtype {name} needs a torch with {name} (torch {torch.__version__}); use int8.")
 
 
-# Inputs of the image-to-video and VACE pipelines: their conditioning is read per chunk at the chunk's own frames, so
-# they sample chunk by chunk (the attention bias and prompt transitions apply; Krea's recompute, which moves a chunk's
-# forwards to the positions after its context, does not). tests/test_cli.py checks this against their signatures.
+# Inputs of the image-to-video and VACE pipelines, which condition their chunks by frame; with `--input-video` the
+# video-to-video pipeline, whose rollout is its own (not chunk by chunk). Which policies a pipeline runs is the
+# policy's to say (`PolicySettings.runs_on`).
 VACE_INPUTS = ("control_video", "mask", "reference_image")
 CONDITIONED_INPUTS = ("image", "video", *VACE_INPUTS)
-# conditioning inputs (image-to-video, VACE, video-to-video) that the rolling policy cannot drive
-ROLLING_REFUSED_INPUTS = (*CONDITIONED_INPUTS, "input_video")
 
 
-def check_conditioned_options(args: argparse.Namespace) -> None:
-    """No ``--kv-cache-policy recompute`` with ``--image``/``--video`` or a VACE flag (those pipelines refuse it once
-    loaded; ``rolling`` is refused by :func:`check_kv_cache_policy`)."""
-    inputs = [name for name in CONDITIONED_INPUTS if getattr(args, name, None)]
-    if inputs and getattr(args, "kv_cache_policy", None) == "recompute":
+def settings_arguments(args: argparse.Namespace) -> dict:
+    """The settings of the command line: ``{settings argument: value}`` of every settings flag given (a flag left out
+    is ``None``: the model's stored value stands). The pipeline call takes them as its keyword arguments."""
+    values = {name: getattr(args, dest, None) for dest, name in SETTINGS_FLAGS.items()}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def _pipeline_inputs(args: argparse.Namespace) -> tuple[list[str], bool, bool]:
+    """The conditioning flags given, whether the pipeline they pick conditions its chunks by frame, and whether its
+    default rollout is chunk by chunk (not video-to-video)."""
+    given = [name for name in (*CONDITIONED_INPUTS, "input_video") if getattr(args, name, None)]
+    conditions = any(name in CONDITIONED_INPUTS for name in given)
+    return given, conditions, getattr(args, "input_video", None) is None
+
+
+def stored_rollout_settings(args: argparse.Namespace) -> RolloutSettings | None:
+    """The settings ``--model`` stores (its ``model_index.json``, as ``from_pretrained`` reads them; the built-in tiny
+    model stores none), as the pipeline the flags pick uses them: a stored policy it cannot run is left out (it
+    samples chunk by chunk). ``UsageError`` for stored settings the pipeline would refuse to load (the transformer's
+    chunking included); ``None`` when the files are not at hand (the pipeline checks then)."""
+    from .i2v import wants_i2v
+
+    config = stored_settings(args.model)
+    if config is None:
+        return None
+    try:
+        stored = RolloutSettings.from_config(config)
+        layout = transformer_layout(args.model, image_to_video=wants_i2v(args))
+        if layout is not None:
+            stored.cache.check_chunk_size(layout["chunk_size"], layout["independent_first_frame"])
+    except ValueError as error:
+        raise UsageError(f"--model {args.model}: its stored settings cannot be sampled: {error}") from None
+    _, conditions, sequential = _pipeline_inputs(args)
+    if stored.policy is not None and not type(stored.policy).runs_on(conditions, sequential):
+        stored = stored.without_policy()
+    return stored
+
+
+def generate_settings(args: argparse.Namespace) -> RolloutSettings | None:
+    """The [`RolloutSettings`] the pipeline will sample with: the flags over ``--model``'s stored settings, field by
+    field ([`RolloutSettings.with_arguments`], as the pipelines' ``resolve_options`` builds them), checked by the
+    values themselves. A refusal is a :class:`UsageError` with the settings' message (which names the stored settings
+    when they take part). ``None`` when the stored settings are not at hand (the pipeline checks after loading)."""
+    arguments = settings_arguments(args)
+    policy = arguments.get("kv_cache_policy")
+    given, conditions, sequential = _pipeline_inputs(args)
+    if policy in POLICIES and not POLICIES[policy].runs_on(conditions, sequential):
+        accepted = tuple(name for name, cls in POLICIES.items() if cls.runs_on(conditions, sequential))
         raise UsageError(
-            f"--kv-cache-policy recompute cannot be combined with {flag(inputs[0])}: the image-to-video and VACE "
-            "pipelines read their conditioning at each chunk's own frames and sample chunk by chunk (the attention "
-            "bias and --prompt-transition-chunks still apply)."
+            f"--kv-cache-policy {policy} cannot be combined with {flag(given[0])}: the pipeline it picks cannot run "
+            f"that policy ({POLICIES[policy].title}); accepted with it: {', '.join(accepted)}."
         )
-
-
-def check_stored_settings(args: argparse.Namespace, stored: dict | None) -> None:
-    """What the pipeline would refuse after loading, found from the flags and the model's ``stored`` settings (as
-    ``resolve_options`` combines them): ``--kv-cache-policy recompute`` with no context frames, window positions or
-    an EMA sink with no window, an EMA sink over absolute positions or no sink frames, or with an 8-bit cache."""
+    stored = stored_rollout_settings(args)
     if stored is None:
-        return
-    policy = args.kv_cache_policy or stored.get("kv_cache_policy") or "sequential"
-    if policy == "recompute":
-        stored_context = stored.get("kv_cache_policy") == "recompute" and stored.get("context_frames")
-        if args.context_frames is None and not stored_context:
-            raise UsageError("--kv-cache-policy recompute needs --context-frames N (the model stores none).")
-        return
-    if policy == "rolling":  # it positions its keys itself; check_kv_cache_policy refused the flags it does not take
-        stored_rolling = "" if args.kv_cache_policy else " (the model stores --kv-cache-policy rolling)"
-        positions = [name for name in POSITION_FLAGS if getattr(args, name, None) is not None]
-        if positions or args.sink_frames is not None:
-            name = flag(positions[0]) if positions else "--sink-frames"
-            raise UsageError(
-                f"{name} cannot be combined with --kv-cache-policy rolling{stored_rolling}: it keeps its first chunk "
-                "as the sink and positions its keys itself; pass --kv-cache-policy sequential to use it."
-            )
-        if args.prompt_switch:
-            raise UsageError(
-                f"--prompt-switch cannot be combined with --kv-cache-policy rolling{stored_rolling}: it denoises "
-                "several chunks per forward under one prompt; pass --kv-cache-policy sequential."
-            )
-        return
-    given = args.attention_window is not None
-    window = args.attention_window if given else stored.get("attention_window")
-    sink = (args.sink_frames or 0) if given else (stored.get("sink_frames") or 0)
-    rope = args.rope_positions or stored.get("rope_positions") or "absolute"
-    sink_update = args.sink_update or stored.get("sink_update") or "fixed"
-    stored_ema = "" if args.sink_update else " (the model stores --sink-update ema)"
-    if (rope == "window" or sink_update == "ema") and window is None:
-        name = "--rope-positions window" if rope == "window" else "--sink-update ema"
-        raise UsageError(f"{name} needs --attention-window (the model stores no window).")
-    if sink_update != "ema":
-        return
-    if rope != "window":
-        raise UsageError(
-            f"--sink-update ema averages keys of frames at different positions: it needs --rope-positions window"
-            f"{stored_ema}."
-        )
-    if not sink:
-        raise UsageError(
-            f"--sink-update ema averages evicted frames into the sink: give --sink-frames > 0{stored_ema}."
-        )
-    if args.kv_cache_dtype is not None:
-        raise UsageError(
-            f"--kv-cache-dtype cannot be combined with --sink-update ema{stored_ema}: the EMA's updates fall below "
-            "8-bit resolution; pass --sink-update fixed or no --kv-cache-dtype."
-        )
+        return None
+    switches = sorted(prompt_switches(args))
+    try:
+        return stored.with_arguments(arguments, switch_frames=switches)
+    except ValueError as error:
+        message = str(error)
+    try:  # the flags alone: the same refusal is theirs; otherwise the stored settings take part
+        RolloutSettings().with_arguments(arguments, switch_frames=switches)
+    except ValueError as error:
+        if str(error) == message:
+            raise UsageError(message) from None
+    stored_values = ", ".join(f"{k}={v!r}" for k, v in stored.to_config().items() if v is not None)
+    raise UsageError(f"{message} (--model {args.model} stores {stored_values})") from None
 
 
 def wants_vace(args: argparse.Namespace) -> bool:

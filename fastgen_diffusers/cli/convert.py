@@ -8,6 +8,9 @@ until the command runs.
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
+
+from .common import SETTINGS_FLAGS, add_settings_arguments
 
 __all__ = ["add_convert_subparser", "run_convert"]
 
@@ -29,6 +32,15 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def stored_settings_flags() -> tuple[str, ...]:
+    """The settings flags ``convert`` takes: those whose setting a converted model stores
+    ([`StudentSettings`])."""
+    from ..convert.formats import StudentSettings
+
+    stored = {f.name for f in fields(StudentSettings)}
+    return tuple(dest for dest, name in SETTINGS_FLAGS.items() if name in stored)
+
+
 def _formats_epilog() -> str:
     from ..convert.formats import STUDENT_FORMATS
 
@@ -40,7 +52,7 @@ def _formats_epilog() -> str:
 
 def add_convert_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``convert`` on a ``fastgen-diffusers`` subparsers object (``func=run_convert``)."""
-    from ..convert.formats import FORMATS, KV_CACHE_POLICIES
+    from ..convert.formats import FORMATS
 
     parser = subparsers.add_parser(
         "convert",
@@ -86,44 +98,26 @@ def add_convert_subparser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     lora.add_argument(
         "--keep-lora", action="store_true", help="write the LoRA next to the pipeline for pipe.load_lora_weights"
     )
-    sampling = parser.add_argument_group("sampling settings (default: the format's released inference config)")
+    sampling = parser.add_argument_group(
+        "sampling settings",
+        "Stored with the pipeline as its default settings (each left out: the format's released inference config); "
+        "a setting the converted model could not sample is refused before anything is written.",
+    )
     sampling.add_argument("--chunk-size", type=_positive_int, default=None, help="latent frames per causal chunk")
-    sampling.add_argument(
-        "--timesteps", type=float, nargs="+", default=None, help="model-scale timesteps per chunk, descending, no 0"
-    )
-    sampling.add_argument(
-        "--first-chunk-timesteps", type=float, nargs="+", default=None, help="timesteps of the first chunk only"
-    )
-    sampling.add_argument(
-        "--warp-shift",
-        type=float,
-        default=None,
-        help="treat the timesteps as Self-Forcing denoising_step_list indices and warp them with this shift",
-    )
-    sampling.add_argument("--shift", type=float, default=None, help="flow-matching shift")
-    sampling.add_argument("--context-noise", type=float, default=None, help="timestep of the pass that caches a chunk")
     sampling.add_argument(
         "--independent-first-frame",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="the first latent frame is a chunk of its own",
     )
-    sampling.add_argument("--attention-window", type=_positive_int, default=None, help="attention window (frames)")
-    sampling.add_argument("--sink-frames", type=_non_negative_int, default=None, help="sink frames inside the window")
+    sampling.add_argument("--shift", type=float, default=None, help="flow-matching shift")
     sampling.add_argument(
-        "--kv-cache-policy", choices=KV_CACHE_POLICIES, default=None, help="sequential, recompute (Krea) or rolling"
+        "--warp-shift",
+        type=float,
+        default=None,
+        help="treat the timesteps as Self-Forcing denoising_step_list indices and warp them with this shift",
     )
-    sampling.add_argument(
-        "--context-frames", type=_positive_int, default=None, help="frames re-encoded per chunk (recompute)"
-    )
-    sampling.add_argument(
-        "--kv-cache-attention-bias", type=float, default=None, help="attention weight on cached frames, [0.01, 1]"
-    )
-    sampling.add_argument(
-        "--rope-positions", choices=("absolute", "window"), default=None, help="RoPE positions of cached keys"
-    )
-    sampling.add_argument("--sink-update", choices=("fixed", "ema"), default=None, help="ema: Reward Forcing's sink")
-    sampling.add_argument("--sink-decay", type=float, default=None, help="decay of the EMA sink, in (0, 1)")
+    add_settings_arguments(sampling, stored_settings_flags())
     parser.add_argument(
         "--allow-non-finite", action="store_true", help="convert weights holding NaN/Inf instead of refusing them"
     )
@@ -149,6 +143,9 @@ def run_convert(args: argparse.Namespace) -> int:
 
     from ..convert import CheckpointConversionError, convert_checkpoint
 
+    settings = {SETTINGS_FLAGS[dest]: getattr(args, dest) for dest in stored_settings_flags()}
+    settings.update(timesteps=timesteps, first_chunk_timesteps=first_chunk)  # warped by --warp-shift
+
     try:
         result = convert_checkpoint(
             args.checkpoint,
@@ -158,25 +155,15 @@ def run_convert(args: argparse.Namespace) -> int:
             ema=args.ema_key if args.ema_key is not None else args.ema,
             dtype=args.dtype,
             chunk_size=args.chunk_size,
-            timesteps=timesteps,
             shift=shift,
-            context_noise=args.context_noise,
             independent_first_frame=args.independent_first_frame,
-            first_chunk_timesteps=first_chunk,
-            attention_window=args.attention_window,
-            sink_frames=args.sink_frames,
-            kv_cache_policy=args.kv_cache_policy,
-            context_frames=args.context_frames,
-            kv_cache_attention_bias=args.kv_cache_attention_bias,
-            rope_positions=args.rope_positions,
-            sink_update=args.sink_update,
-            sink_decay=args.sink_decay,
             base_model_id=args.base_model_id,
             lora=args.lora,
             lora_alpha=args.lora_alpha,
             keep_lora=args.keep_lora,
             allow_non_finite=args.allow_non_finite,
             max_shard_size=args.max_shard_size,
+            **settings,
         )
     except (CheckpointConversionError, OSError, ValueError) as error:
         raise SystemExit(f"error: {' '.join(str(error).split()) or type(error).__name__}") from None

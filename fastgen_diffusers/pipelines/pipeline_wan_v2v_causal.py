@@ -196,7 +196,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             # window meet every eviction the stream will: check them before the first forward.
             horizon = options.attention_window + 3 * chunker.chunk_latent_frames
             ema_bounds = self.video_chunk_bounds(chunker, chunk_num_frames(horizon, True, chunker.temporal_factor))
-        options.settings.check_chunks(ema_bounds, chunker.chunk_latent_frames)
+        options.settings.check_chunks(ema_bounds, chunker.chunk_latent_frames, complete=known)
 
         # 2. Encode input prompt
         device = self._execution_device

@@ -13,7 +13,9 @@ and, with ``"input": "video"``, the input frames as binary JPEG messages. Server
     {"type": "chunk", "index": k, "frames": n, "frame_start": f, "height": h, "width": w, "latency_ms": ms}
         followed by its n frames as binary messages (JPEG, or RGB bytes with "encoding": "raw")
     {"type": "prompt", "prompt": str, "index": k}                    # the chunk a prompt change takes effect at
-    {"type": "dropped", "index": k, ...}                             # "slow_client": "drop" and the client lagged
+    {"type": "dropped", "index": k, "chunks": n, "frames": f, "reason": "slow_client" | "prompt"}
+        # chunks never sent: "slow_client": "drop" and the client lagged (one message for a run of them), or queued
+        # under the old prompt when a prompt change arrived
     {"type": "error", "message": str, "fatal": bool}
     {"type": "stopped"}
 
@@ -38,6 +40,8 @@ from .settings_json import session_settings
 
 MAX_TEXT_BYTES = 64 * 1024
 MAX_BINARY_BYTES = 4 * 1024 * 1024
+# replies to bad messages wait at most this many messages to be sent: a client that floods without reading gets no more
+MAX_QUEUED_REPLIES = 64
 # The WebSocket layer's own limit (uvicorn's ``ws_max_size``): a message over it never reaches the app, the connection
 # is closed with code 1009 and a reason naming the limit (the session then ends as on a disconnect).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -105,6 +109,7 @@ def create_app(
             await websocket.send_json(_error(str(error), fatal=True))
             await websocket.close()
             return
+        session.outbox = outbox
         sender = asyncio.create_task(_send(websocket, outbox, session, manager))
         try:
             await _receive(websocket, session, manager, max_pending_frames)
@@ -118,19 +123,26 @@ def create_app(
 
 
 async def _send(websocket: WebSocket, outbox: asyncio.Queue, session, manager: SessionManager) -> None:
-    """Send what the worker posts, in order; a chunk of an older run (before a restart or stop) is dropped."""
+    """Send what the worker posts, in order; a chunk purged while it waited (a restart, a stop, a prompt change) is
+    skipped. Each send waits for the client (the transport's flow control): a slow client holds up only this loop."""
     try:
         while True:
             item = await outbox.get()
             if item[0] == "json":
                 await websocket.send_json(item[1])
                 continue
-            _, generation, meta, encode = item
+            if item[0] == "dropped":
+                notice = manager.take_drop_notice(session)
+                if notice is not None:
+                    await websocket.send_json(notice)
+                continue
+            slot = item[1]
+            encode = manager.take_chunk(session, slot)
+            if encode is None:
+                continue
             try:
-                if generation != session.generation:
-                    continue
                 frames = await asyncio.to_thread(encode)  # the chunk's encoding, off the event loop
-                await websocket.send_json(meta)
+                await websocket.send_json(slot.meta)
                 for frame in frames:
                     await websocket.send_bytes(frame)
             finally:
@@ -141,7 +153,8 @@ async def _send(websocket: WebSocket, outbox: asyncio.Queue, session, manager: S
 
 async def _receive(websocket: WebSocket, session, manager: SessionManager, max_pending_frames: int) -> None:
     async def reply(message: dict[str, Any]) -> None:
-        session.post(("json", message))
+        if session.outbox.qsize() < MAX_QUEUED_REPLIES:
+            session.post(("json", message))
 
     while True:
         message = await websocket.receive()

@@ -7,10 +7,12 @@ shares the weights of the server's model but owns its KV-cache engines ([`sessio
 touches its own session's caches, and a stop, a disconnect or a failure frees them at once.
 
 Queues are bounded: a session runs a chunk only while fewer than ``max_pending_chunks`` of its chunks wait to be sent
-(a slow client makes its own session wait, or with ``slow_client="drop"`` loses chunks), a video session only once
-the frames of its next chunk have arrived (at most ``max_pending_frames`` wait, older ones are dropped), and a prompt
-change replaces any change not yet applied. The event loop only moves messages: it hands commands to the worker and
-sends what the worker posts.
+(a slow client makes its own session wait, or with ``slow_client="drop"`` loses chunks, told in one coalesced
+``dropped`` message), a video session only once the frames of its next chunk have arrived (at most
+``max_pending_frames`` wait, older ones are dropped), and a prompt change replaces any change not yet applied. A
+restart, a stop or a prompt change purges the chunks queued for the client and not yet being sent ([`ChunkSlot`]):
+their frames are freed at once and never sent. The event loop only moves messages: it hands commands to the worker
+and sends what the worker posts.
 """
 
 from __future__ import annotations
@@ -45,6 +47,18 @@ def session_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
     return shell
 
 
+class ChunkSlot:
+    """A finished chunk on its way to the client: posted by the worker, taken by the connection's sender, or purged
+    (``stale``, its frames freed) by a restart, a stop or a prompt change while it waits."""
+
+    __slots__ = ("meta", "encode", "stale")
+
+    def __init__(self, meta: dict[str, Any], encode: Callable[[], list[bytes]]) -> None:
+        self.meta = meta
+        self.encode: Callable[[], list[bytes]] | None = encode  # the chunk's binary messages, encoded when sent
+        self.stale = False
+
+
 class Session:
     """One connection's state. The event loop sets the command fields under the manager's lock; the worker owns the
     rollout fields."""
@@ -59,9 +73,15 @@ class Session:
         self.close_requested = False
         self.frames: deque[np.ndarray] = deque()
         self.dropped_input_frames = 0
-        # delivery (worker <-> sender)
-        self.pending_chunks = 0
-        self.generation = 0  # bumped by each start: the sender drops chunks of an older run
+        # delivery (worker <-> sender, under the manager's lock)
+        self.queued: deque[ChunkSlot] = deque()  # posted, not yet taken by the sender
+        self.sending = 0  # 1 while the sender sends a chunk
+        self.generation = 0  # bumped by each start and stop: a chunk of an older run is never posted
+        self.dropped_chunks = 0  # by slow_client="drop", not yet reported
+        self.dropped_frames = 0
+        self.last_dropped: int | None = None
+        self.drop_notice_posted = False
+        self.outbox: Any = None  # the connection's outgoing queue (its size shows in /health)
         # rollout (worker)
         self.pipe: Any = None
         self.settings: SessionSettings | None = None
@@ -76,6 +96,20 @@ class Session:
     @property
     def running(self) -> bool:
         return self.chunks is not None
+
+    @property
+    def pending_chunks(self) -> int:
+        """Chunks posted and not yet sent (queued or being sent)."""
+        return len(self.queued) + self.sending
+
+    def purge(self) -> list[dict[str, Any]]:
+        """Drop the chunks queued for the client that the sender has not begun (under the manager's lock); their
+        frames are freed at once. Returns their ``chunk`` messages."""
+        purged = [slot.meta for slot in self.queued]
+        for slot in self.queued:
+            slot.stale, slot.encode = True, None
+        self.queued.clear()
+        return purged
 
     def cache_bytes(self) -> int:
         if self.pipe is None:
@@ -143,22 +177,33 @@ class SessionManager:
             return session
 
     def request_start(self, session: Session, message: dict[str, Any]) -> None:
+        """(Re)start the session's stream; the old run's chunks not yet being sent are purged."""
         with self._cond:
             session.start_request = message
             session.prompt_request = None
             session.generation += 1
+            session.purge()
             self._cond.notify_all()
 
     def request_prompt(self, session: Session, prompt: str, transition_chunks: int | None) -> None:
+        """Switch the prompt from the next chunk not yet begun. The chunks queued for the client (generated under
+        the old prompt, not yet being sent) are purged and reported as ``dropped``; the chunk being generated, begun
+        before this message, is still sent."""
         with self._cond:
             session.prompt_request = (prompt, transition_chunks)  # a later change replaces one not applied yet
+            purged = session.purge()
             self._cond.notify_all()
+        if purged:
+            session.post(("json", {"type": "dropped", "index": purged[-1]["index"], "chunks": len(purged),
+                                   "frames": sum(meta["frames"] for meta in purged), "reason": "prompt"}))  # fmt: skip
 
     def request_stop(self, session: Session) -> None:
+        """Stop the stream; its chunks not yet being sent are purged."""
         with self._cond:
             session.stop_requested = True
             session.start_request = None
             session.generation += 1
+            session.purge()
             self._cond.notify_all()
 
     def add_frame(self, session: Session, frame: np.ndarray, max_pending_frames: int) -> None:
@@ -169,10 +214,32 @@ class SessionManager:
                 session.dropped_input_frames += 1
             self._cond.notify_all()
 
+    def take_chunk(self, session: Session, slot: ChunkSlot) -> Callable[[], list[bytes]] | None:
+        """The sender begins sending ``slot``: its encoder, or ``None`` when it was purged (nothing to send).
+        [`chunk_sent`] follows a taken chunk."""
+        with self._cond:
+            if slot.stale:
+                return None
+            session.queued.remove(slot)
+            session.sending += 1
+            encode, slot.encode = slot.encode, None
+            return encode
+
     def chunk_sent(self, session: Session) -> None:
         with self._cond:
-            session.pending_chunks = max(0, session.pending_chunks - 1)
+            session.sending = max(0, session.sending - 1)
             self._cond.notify_all()
+
+    def take_drop_notice(self, session: Session) -> dict[str, Any] | None:
+        """The ``dropped`` message reporting the chunks dropped (``slow_client="drop"``) since the last one."""
+        with self._cond:
+            session.drop_notice_posted = False
+            if not session.dropped_chunks:
+                return None
+            notice = {"type": "dropped", "index": session.last_dropped, "chunks": session.dropped_chunks,
+                      "frames": session.dropped_frames, "reason": "slow_client"}  # fmt: skip
+            session.dropped_chunks = session.dropped_frames = 0
+            return notice
 
     def close(self, session: Session) -> None:
         """The connection is gone: the worker frees the session's caches at its next turn (at once when idle)."""
@@ -188,6 +255,8 @@ class SessionManager:
             "cache_bytes": sum(s.cache_bytes() for s in sessions),
             "reserved_bytes": sum(self.budget.reserved.values()),
             "budget_bytes": self.budget.budget_bytes,
+            "queued_chunks": sum(s.pending_chunks for s in sessions),  # posted, not yet sent
+            "queued_messages": sum(s.outbox.qsize() for s in sessions if s.outbox is not None),
         }
 
     def stop_all(self) -> None:
@@ -391,13 +460,21 @@ class SessionManager:
         session.next_chunk += 1
         session.frames_sent += len(frames)
         with self._cond:
-            drop = session.pending_chunks >= self.max_pending_chunks  # only with slow_client="drop"
-            if not drop:
-                session.pending_chunks += 1
-        if drop:
-            session.post(("json", {**meta, "type": "dropped", "frames": 0}))
-        else:
-            session.post(("chunk", generation, meta, payload))
+            stale = generation != session.generation  # a stop or a restart arrived while it ran: never posted
+            full = session.pending_chunks >= self.max_pending_chunks  # only with slow_client="drop"
+            if stale:
+                pass
+            elif full:
+                session.dropped_chunks += 1
+                session.dropped_frames += len(frames)
+                session.last_dropped = meta["index"]
+                if not session.drop_notice_posted:  # one notice waits at most: a lagging client costs no memory
+                    session.drop_notice_posted = True
+                    session.post(("dropped",))
+            else:
+                slot = ChunkSlot(meta, payload)
+                session.queued.append(slot)
+                session.post(("chunk", slot))
         if session.num_frames is not None and session.frames_sent >= session.num_frames:
             self._end_run(session)
             session.post(("json", {"type": "stopped"}))

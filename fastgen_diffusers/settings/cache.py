@@ -33,12 +33,14 @@ class KeyPositions(NamedTuple):
 
     needs_window: bool
     keys_before_rope: bool
+    # every position stays below the window size: a stream of any length stays inside the RoPE table
+    bounded: bool = False
 
 
 # The positions modes of the cached keys (the engines' rotations: kv_cache/positions.py).
 KEY_POSITIONS = {
     "absolute": KeyPositions(needs_window=False, keys_before_rope=False),
-    "window": KeyPositions(needs_window=True, keys_before_rope=True),
+    "window": KeyPositions(needs_window=True, keys_before_rope=True, bounded=True),
     "anchor": KeyPositions(needs_window=True, keys_before_rope=True),
 }
 
@@ -85,6 +87,29 @@ def check_key_positions(
                 "`sink_update='ema'` averages the keys of frames at different positions, which needs keys stored "
                 f"before RoPE: use rope_positions in {unrotated}, not 'absolute' (or sink_update='fixed')."
             )
+
+
+def check_rope_table(
+    num_latent_frames: int,
+    rope_table: int,
+    rope_positions: str | None = None,
+    *,
+    positions_bounded: bool = False,
+    rope_rebasing: bool = False,
+) -> None:
+    """Raise ``ValueError`` when a rollout of ``num_latent_frames`` runs past the transformer's RoPE table of
+    ``rope_table`` frames (``rope_max_seq_len``) with positions that do not stay inside it: a positions mode whose
+    positions stay within the window (``"window"``) serves a video of any length, as does a policy that keeps positions
+    below a few chunks (``positions_bounded``) or a transformer that re-bases its positions (``rope_rebasing``)."""
+    mode = KEY_POSITIONS.get(rope_positions or "absolute")
+    bounded = mode is not None and mode.bounded
+    if num_latent_frames > rope_table and not (rope_rebasing or bounded or positions_bounded):
+        raise ValueError(
+            f"{num_latent_frames} latent frames run past the transformer's RoPE table of {rope_table} frames "
+            "(`rope_max_seq_len`); ask for fewer `num_frames`, or call `pipe.transformer.enable_rope_rebasing()` "
+            "(with an `attention_window`), or use `rope_positions='window'` (positions within the window) for longer "
+            "videos."
+        )
 
 
 def storage_dtype_name(kv_cache_dtype: Any) -> str | None:

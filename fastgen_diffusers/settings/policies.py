@@ -8,7 +8,7 @@ in the package compares a policy name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -67,6 +67,21 @@ class PolicySettings(SettingsValue):
 
         ``values``: the call's flat settings, merged with the stored ones (``RolloutSettings.flat_values``), checked
         before the other values are built so that a message names the policy."""
+
+    @classmethod
+    def runs_on(cls, conditions_chunks: bool, sequential_default: bool = True) -> bool:
+        """Whether a pipeline can run this policy: one that conditions its chunks by frame (``conditions_chunks``: an
+        image, a clip, a control video) only a policy that reads that conditioning ([`serves_conditioned_chunks`]);
+        one whose default rollout is not chunk by chunk (``sequential_default=False``: video-to-video) only a policy
+        that does not replace that loop ([`needs_sequential_default`])."""
+        if conditions_chunks and not cls.serves_conditioned_chunks:
+            return False
+        return sequential_default or not cls.needs_sequential_default
+
+    def check_chunks(self, chunk_bounds: Sequence[tuple[int, int]], steps: int, rope_table: int | None = None) -> None:
+        """Raise ``ValueError`` for a rollout of the chunks ``chunk_bounds`` (``[start, end)`` latent frames) sampled
+        with ``steps`` denoising steps per chunk that this policy cannot serve (``rope_table``: the transformer's RoPE
+        table, ``None`` when unknown). Checked before any work, once the chunks are known."""
 
     def cache_frames(self, max_chunk_frames: int) -> int | None:
         """The latent frames the cache must hold at most (``None``: the whole rollout)."""
@@ -151,7 +166,7 @@ class RecomputeSettings(PolicySettings):
             raise ValueError(
                 "`kv_cache_policy='recompute'` rebuilds the cache at RoPE positions from 0 before every chunk "
                 "(positions stay below context + chunk) and keeps no sink: `rope_positions` must be 'absolute' and "
-                f"`sink_update` 'fixed', got {positions!r} / {update!r}."
+                f"`sink_update` 'fixed', got {positions or 'absolute'!r} / {update or 'fixed'!r}."
             )
         if values.get("recache"):
             raise ValueError(
@@ -212,7 +227,7 @@ class RollingSettings(PolicySettings):
             raise ValueError(
                 f"{name} positions its keys itself (absolute, the anchor rotated before the oldest frame attended: "
                 f"rope_positions={self.engine_rope_positions!r}) and keeps a fixed anchor: pass no other "
-                f"`rope_positions` / `sink_update`, got {positions!r} / {update!r}."
+                f"`rope_positions` / `sink_update`, got {positions or 'absolute'!r} / {update or 'fixed'!r}."
             )
         if values.get("context_noise"):
             raise ValueError(
@@ -221,6 +236,21 @@ class RollingSettings(PolicySettings):
             )
         if values.get("first_chunk_timesteps") is not None:
             raise ValueError(f"{name} runs every chunk on one schedule: `first_chunk_timesteps` is not supported.")
+
+    def check_chunks(self, chunk_bounds: Sequence[tuple[int, int]], steps: int, rope_table: int | None = None) -> None:
+        name = f"`kv_cache_policy={self.name!r}`"
+        bounds = list(chunk_bounds)
+        if len(bounds) < steps:
+            raise ValueError(
+                f"{name} needs at least as many chunks as denoising steps: {steps} steps, {len(bounds)} chunks of "
+                f"latent frames {bounds}. Ask for more `num_frames` or fewer steps."
+            )
+        if rope_table is not None and bounds and bounds[-1][1] > rope_table:
+            raise ValueError(
+                f"{name} keeps absolute RoPE positions (only the anchor moves), so it serves at most {rope_table} "
+                f"latent frames (`rope_max_seq_len`), got {bounds[-1][1]}; RoPE re-basing does not apply to its keys, "
+                "which are stored before RoPE. Ask for fewer `num_frames`."
+            )
 
     def card_words(self, values: Mapping[str, Any]) -> str:
         frames = self.attention_frames(values.get("attention_window"))

@@ -5,11 +5,11 @@ it."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .base import SETTINGS_VERSION, SettingsValue, check_bool, setting
-from .cache import DEFAULT_SINK_DECAY, CacheSettings, check_recache_keeps_sink, merge_cache
+from .cache import DEFAULT_SINK_DECAY, CacheSettings, check_recache_keeps_sink, check_rope_table, merge_cache
 from .policies import POLICIES, PolicySettings, SequentialSettings, option_owner, policy_from_dict, policy_settings
 from .prompts import PromptSchedule
 from .sampling import DEFAULT_STEPS, SamplingSettings, merge_schedule
@@ -121,20 +121,10 @@ class RolloutSettings(SettingsValue):
                 f"{cache.positions!r})."
             )
 
-    def check_chunks(self, chunk_bounds: Sequence[tuple[int, int]], chunk_size: int) -> None:
-        """Raise ``ValueError`` (before any work) for settings that do not suit the rollout's chunks ``chunk_bounds``
-        of ``chunk_size`` latent frames: the cache's rules ([`CacheSettings.check_chunks`]), and a recache keeping the
-        sink (``recache_sink="keep"``), which re-runs the window's non-sink frames from a chunk boundary, so the sink
-        and the rest of the window must be whole chunks."""
-        self.cache.check_chunks(chunk_bounds)
-        if self.prompts.recache_sink == "keep":
-            sink, room = self.cache.sink, self.cache.window.room
-            if sink % chunk_size or room % chunk_size:
-                raise ValueError(
-                    f"`recache_sink='keep'` re-runs the window's non-sink frames from a chunk boundary: `sink_frames` "
-                    f"({sink}) and `attention_window - sink_frames` ({room}) must be multiples of the chunk size "
-                    f"({chunk_size})."
-                )
+    def without_policy(self) -> RolloutSettings:
+        """These (stored) settings for a pipeline that cannot run their policy ([`PolicySettings.runs_on`]): no policy
+        (chunk by chunk), without its options and without the attention bias stored with it."""
+        return replace(self, policy=None, cache=self.cache.replace(kv_cache_attention_bias=None))
 
     def flat_values(self) -> dict[str, Any]:
         """Every value by its flat name (the prompt switches as ``switch_frames``): what a policy checks."""
@@ -256,6 +246,50 @@ class RolloutSettings(SettingsValue):
         if part == "rollout":
             return cls.help(name)
         return {"sampling": SamplingSettings, "cache": CacheSettings, "prompts": PromptSchedule}[part].help(name)
+
+    # ------------------------------------------------------------------ rules that need the chunks
+    def check_chunks(
+        self,
+        chunk_bounds: Sequence[tuple[int, int]],
+        chunk_size: int | None = None,
+        *,
+        rope_table: int | None = None,
+        rope_rebasing: bool = False,
+        leading_frames: int = 0,
+        complete: bool = True,
+    ) -> None:
+        """Raise ``ValueError`` for what these settings cannot serve about a rollout of the chunks ``chunk_bounds``
+        (``[start, end)`` latent frames; ``leading_frames`` of them before the video's frame 0) of ``chunk_size``
+        latent frames (``None``: the largest chunk's), before any work: the transformer's RoPE table (``rope_table``,
+        ``None`` when unknown; :func:`check_rope_table`), the cache's rules ([`CacheSettings.check_chunks`]), a recache
+        keeping the sink (``recache_sink="keep"``, which re-runs the window's non-sink frames from a chunk boundary, so
+        the sink and the rest of the window must be whole chunks), the prompt switches
+        ([`PromptSchedule.check_chunks`]) and the policy's own rule ([`PolicySettings.check_chunks`]).
+        ``complete=False``: ``chunk_bounds`` are the first chunks of an open-ended stream (a video iterator's), checked
+        for the cache's rules only."""
+        bounds = list(chunk_bounds)
+        if rope_table is not None:
+            check_rope_table(
+                bounds[-1][1],
+                rope_table,
+                self.cache.positions,
+                positions_bounded=self.active_policy.bounds_positions,
+                rope_rebasing=rope_rebasing,
+            )
+        self.cache.check_chunks(bounds)
+        if self.prompts.recache_sink == "keep":
+            chunk_size = chunk_size or max(end - start for start, end in bounds)
+            sink, room = self.cache.sink, self.cache.window.room
+            if sink % chunk_size or room % chunk_size:
+                raise ValueError(
+                    f"`recache_sink='keep'` re-runs the window's non-sink frames from a chunk boundary: `sink_frames` "
+                    f"({sink}) and `attention_window - sink_frames` ({room}) must be multiples of the chunk size "
+                    f"({chunk_size})."
+                )
+        if not complete:
+            return
+        self.prompts.check_chunks(bounds, leading_frames)
+        self.active_policy.check_chunks(bounds, self.sampling.steps, rope_table)
 
     # ------------------------------------------------------------------ pipeline config
     @classmethod

@@ -9,7 +9,7 @@ embeddings.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import fields, replace
 from typing import Any
 
@@ -66,22 +66,6 @@ def expand_videos_per_prompt(arguments: Mapping[str, Any]) -> dict[str, Any]:
         if arguments.get(name) is not None:
             arguments[name] = _repeat(arguments[name], times, name)
     return arguments
-
-
-def check_prompt_schedule(
-    pipe: Any, schedule: Mapping[int, Any], bounds: Sequence[tuple[int, int]], leading_frames: int = 0
-) -> None:
-    """``ValueError`` for a prompt schedule whose switches do not map to chunks of this call (a switch past the last
-    chunk, two switches in one chunk), raised before any prompt is encoded (the pipeline's ``prompt_switch_chunks``
-    rule, run on the frames alone).
-
-    Args:
-        schedule: ``{pixel_frame: prompt}`` of the switches after frame 0.
-        bounds: ``[start, end)`` latent frames of the rollout's chunks (VACE's reference frames included).
-        leading_frames: latent frames before the video's frame 0 (VACE's reference images).
-    """
-    video_bounds = [(max(start - leading_frames, 0), end - leading_frames) for start, end in bounds]
-    pipe.prompt_switch_chunks(dict.fromkeys(schedule), video_bounds)
 
 
 def prepare_call_arguments(pipe: Any, arguments: Mapping[str, Any]) -> dict[str, Any]:

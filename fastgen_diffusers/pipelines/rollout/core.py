@@ -30,13 +30,12 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import get_module_execution_device
 
 from ...chunking import ChunkPlan, chunk_bounds, chunk_layout
-from ...kv_cache import ROPE_POSITION_MODES
 from ...parallel import is_main_process
-from ...settings import RolloutSettings, argument_names
+from ...settings import RolloutSettings, argument_names, check_rope_table
 from ..video_io.autoencoders import streaming_decoder
 from ..video_io.decode_overlap import DecodedChunk, OverlappedDecoder
 from ..video_io.streaming_decode import denormalize_latents
-from .arguments import check_prompt_schedule, prepare_call_options
+from .arguments import prepare_call_options
 from .conditioning import Conditioner
 from .guard import exclusive_rollout, warn_discarding_kept_rollouts
 from .kv_cache_options import KVCacheOptionsMixin
@@ -201,7 +200,7 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         bias its transformer cannot take."""
         stored = RolloutSettings.from_config(self.config)
         if stored.policy is not None and not self.supports_policy(stored.policy):
-            stored = replace(stored, policy=None, cache=stored.cache.replace(kv_cache_attention_bias=None))
+            stored = stored.without_policy()
         if stored.cache.kv_cache_attention_bias is not None and not self.supports_attention_bias():
             stored = replace(stored, cache=stored.cache.replace(kv_cache_attention_bias=None))
         return stored
@@ -262,8 +261,8 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         num_latent_frames = (shape.num_frames - 1) // self.vae_scale_factor_temporal + 1
         bounds = self.rollout_chunk_bounds(num_latent_frames, options.chunk_size)
         self.check_conditioning_fits(options, bounds)
-        options.settings.check_chunks(bounds, options.chunk_size or self.transformer.config.chunk_size)
-        check_prompt_schedule(self, prompt_schedule, bounds, shape.num_reference_frames)
+        chunk_size = options.chunk_size or self.transformer.config.chunk_size
+        options.settings.check_chunks(bounds, chunk_size, leading_frames=shape.num_reference_frames)
         schedule = self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)
         rolling = self.check_rolling_rollout(options, bounds, len(schedule["sigmas"]))
 
@@ -598,19 +597,17 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         (``"window"``) serves a video of any length. ``positions_bounded``: the policy keeps RoPE positions below a
         few chunks (as recompute does), so the video may outgrow the RoPE table too."""
         config = self.transformer.config
-        bounded = rope_positions in ROPE_POSITION_MODES and ROPE_POSITION_MODES[rope_positions].bounded
         if chunk_size is not None and (
             not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
         ):
             raise ValueError(f"`chunk_size` must be a positive number of latent frames or None, got {chunk_size!r}.")
-        rebasing = getattr(self.transformer, "rope_rebasing", False)
-        if num_latent_frames > config.rope_max_seq_len and not (rebasing or bounded or positions_bounded):
-            raise ValueError(
-                f"{num_latent_frames} latent frames run past the transformer's RoPE table of "
-                f"{config.rope_max_seq_len} frames (`rope_max_seq_len`); ask for fewer `num_frames`, or call "
-                "`pipe.transformer.enable_rope_rebasing()` (with an `attention_window`), or use "
-                "`rope_positions='window'` (positions within the window) for longer videos."
-            )
+        check_rope_table(
+            num_latent_frames,
+            config.rope_max_seq_len,
+            rope_positions,
+            positions_bounded=positions_bounded,
+            rope_rebasing=getattr(self.transformer, "rope_rebasing", False),
+        )
         for start, end in self.rollout_chunk_bounds(num_latent_frames, chunk_size):
             served = self.transformer.chunk_layout_for(end - start, start)
             if served != (end - start,):

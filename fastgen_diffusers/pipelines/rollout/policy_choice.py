@@ -87,9 +87,7 @@ class PolicyChoiceMixin:
         conditioned on text alone, one that replaces the chunk-by-chunk loop a pipeline whose default is it, and every
         one a runner ([`register_policy_runner`]) that builds it here."""
         cls = _policy_class(kv_cache_policy)
-        if not cls.serves_conditioned_chunks and self.conditions_chunks():
-            return False
-        if cls.needs_sequential_default and type(self.default_policy) is not SequentialPolicy:
+        if not cls.runs_on(self.conditions_chunks(), type(self.default_policy) is SequentialPolicy):
             return False
         runner = POLICY_RUNNERS.get(cls)
         return runner is not None and runner(self, None) is not None
@@ -139,13 +137,7 @@ class PolicyChoiceMixin:
         policy = self.select_policy(options)
         if not isinstance(policy, RollingPolicy):
             return None
-        table = self.transformer.config.rope_max_seq_len
-        if bounds[-1][1] > table:
-            raise ValueError(
-                f"`kv_cache_policy='rolling'` keeps absolute RoPE positions (only the anchor moves), so it serves at "
-                f"most {table} latent frames (`rope_max_seq_len`), got {bounds[-1][1]}; RoPE re-basing does not apply "
-                "to its keys, which are stored before RoPE. Ask for fewer `num_frames`."
-            )
+        options.settings.active_policy.check_chunks(bounds, num_levels, self.transformer.config.rope_max_seq_len)
         policy.check_plan(list(bounds), num_levels)
         if options.kv_cache_engine is None:
             policy.check_engines(self.transformer, bounds[0][1] - bounds[0][0])

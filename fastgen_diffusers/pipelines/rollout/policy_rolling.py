@@ -105,11 +105,7 @@ class RollingPolicy(RolloutPolicy):
         """Raise ``ValueError`` for a chunking the rolling schedule cannot serve: fewer chunks than levels (Rolling
         Forcing's windows are only defined from ``N`` chunks on), or a window that does not fit ``A`` frames beside
         the anchor."""
-        if len(bounds) < num_levels:
-            raise ValueError(
-                f"`kv_cache_policy='rolling'` needs at least as many chunks as denoising steps: {num_levels} steps, "
-                f"{len(bounds)} chunks of latent frames {bounds}. Ask for more `num_frames` or fewer steps."
-            )
+        RollingSettings().check_chunks(bounds, num_levels)
         sink = bounds[0][1] - bounds[0][0]
         for window in rolling_windows(len(bounds), num_levels):
             frames = bounds[window.last][1] - bounds[window.first][0]

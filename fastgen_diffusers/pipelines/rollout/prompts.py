@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ...settings import switch_chunks
+
 
 def check_transition_embeds(
     prompt_transition_chunks: int, prompt_embeds: torch.Tensor, switches: Mapping[int, torch.Tensor]
@@ -127,20 +129,5 @@ class PromptScheduleMixin:
     ) -> dict[int, torch.Tensor]:
         """Map ``{pixel_frame: embeddings}`` to ``{chunk_index: embeddings}``: a switch takes effect at the first
         chunk whose first pixel frame is at or after its frame (latent frame ``s >= 1`` starts at pixel ``4s - 3``)."""
-        temporal = self.vae_scale_factor_temporal
-        firsts = [0 if start == 0 else temporal * start - (temporal - 1) for start, _ in bounds]
-        by_chunk: dict[int, torch.Tensor] = {}
-        for frame, embeds in switches.items():
-            index = next((i for i, first in enumerate(firsts) if first >= frame), None)
-            if index is None:
-                raise ValueError(
-                    f"The prompt switch at pixel frame {frame} is past the last chunk, which starts at pixel frame "
-                    f"{firsts[-1]}; chunks start at pixel frames {firsts}."
-                )
-            if index in by_chunk:
-                raise ValueError(
-                    f"Two prompt switches take effect at the same chunk (starting at pixel frame {firsts[index]}); "
-                    f"chunks start at pixel frames {firsts}: keep one switch per chunk."
-                )
-            by_chunk[index] = embeds
-        return by_chunk
+        chunks = switch_chunks(switches, bounds, self.vae_scale_factor_temporal)
+        return {chunks[frame]: embeds for frame, embeds in switches.items()}
