@@ -153,12 +153,14 @@ CASES = {
     "rolling with image": (
         ["--kv-cache-policy", "rolling", "--image", "{frame.png}"],
         2,
-        "--kv-cache-policy rolling cannot be combined with --image: the pipeline it picks cannot run that policy",
+        "`kv_cache_policy='rolling'` cannot run on WanCausalImageToVideoPipeline: it conditions its chunks by frame",
     ),
     "rolling with input video": (
         ["--kv-cache-policy", "rolling", "--input-video", "{clip9.gif}"],
         2,
-        "--kv-cache-policy rolling cannot be combined with --input-video: the pipeline it picks cannot run that",
+        "`kv_cache_policy='rolling'` cannot run on WanCausalVideoToVideoPipeline: the policy replaces the "
+        "chunk-by-chunk rollout, which that pipeline does not run. Accepted here: (None, 'sequential', 'recompute'). "
+        "(the pipeline of --input-video)",
     ),
     "context without recompute": (
         ["--context-frames", "3"],
@@ -316,14 +318,14 @@ CASES = {
     "recompute with image": (
         ["--kv-cache-policy", "recompute", "--context-frames", "3", "--image", "{frame.png}"],
         2,
-        "--kv-cache-policy recompute cannot be combined with --image: the pipeline it picks cannot run that policy "
-        "(Krea's recompute: the KV cache rebuilt from a few clean context frames before each chunk); accepted with "
-        "it: sequential.",
+        "`kv_cache_policy='recompute'` cannot run on WanCausalImageToVideoPipeline: it conditions its chunks by frame "
+        "(an image, a clip, a control video), which the policy cannot read. Accepted here: (None, 'sequential'). (the "
+        "pipeline of --image)",
     ),
     "recompute with control video": (
         ["--kv-cache-policy", "recompute", "--context-frames", "3", "--control-video", "{control5.gif}"],
         2,
-        "--kv-cache-policy recompute cannot be combined with --control-video: the pipeline it picks cannot run",
+        "`kv_cache_policy='recompute'` cannot run on WanCausalVACEPipeline: it conditions its chunks by frame",
     ),
     "switch past the input video": (
         ["--input-video", "{clip9.gif}", "--prompt-switch", "15:a dog"],

@@ -27,7 +27,7 @@ def test_serve_is_a_subcommand_with_loopback_defaults():
     "flags, message",
     [
         (["--port", "0"], "--port"),
-        (["--steps", "0"], "--steps"),
+        (["--steps", "0"], "`num_inference_steps` must be a positive integer, got 0"),
         (["--cache-budget-gb", "-1"], "--cache-budget-gb"),
         (["--endless-window", "-1"], "--endless-window"),
     ],

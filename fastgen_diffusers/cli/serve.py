@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..settings import RolloutSettings, SamplingSettings
 from .checks import UsageError
 
 SERVE_MODULES = ("fastapi", "uvicorn")
@@ -29,7 +30,7 @@ def add_serve_subparser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="model dtype of --model")
     parser.add_argument(
-        "--steps", type=int, help="default denoising steps per chunk (default: the model's stored schedule, else 4)"
+        "--steps", type=int, help=RolloutSettings.help_of("num_inference_steps") + " A session may ask for others."
     )
     parser.add_argument(
         "--cache-budget-gb",
@@ -59,8 +60,10 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
     """Refuse a bad command line before anything loads."""
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in [1, 65535], got {args.port}.")
-    if args.steps is not None and args.steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {args.steps}.")
+    try:  # the settings' own check of the step count
+        SamplingSettings(num_inference_steps=args.steps)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     if args.max_sessions < 1:
         raise UsageError(f"--max-sessions must be >= 1, got {args.max_sessions}.")
     if args.max_frames < 1:

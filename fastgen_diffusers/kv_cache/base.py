@@ -52,12 +52,14 @@ head) (:mod:`~fastgen_diffusers.kv_cache.quantize`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 import torch
+import torch._dynamo
 from torch import nn
 
 from .accounting import expected_scale_bytes, tensor_bytes
@@ -65,6 +67,7 @@ from .cross import ConditioningKey, CrossKVCache, CrossKVEntry, CrossKVMode
 from .ema_sink import check_ema_chunks, check_ema_eviction, ema_update
 from .masks import BlockMaskMemo
 from .options import SINK_UPDATES, check_kv_cache_dtype, check_rope_and_sink_settings
+from .plan import CallPlan, PrefixView, SlotPlan, SlotView
 from .positions import RopePositions, check_chunk_positions
 from .registry import BlockRegistry
 from .storage import ChunkListStorage, KVStorage, StorageLayout, codec_for
@@ -148,6 +151,7 @@ class BaseKVCacheEngine:
         self._self_kv: list[dict[str, Any]] = []
         self.cross = CrossKVCache()
         self._transaction: Transaction | None = None
+        self._last_slot_plan: tuple[tuple, SlotPlan] | None = None
 
     @property
     def window_frames(self) -> int | None:
@@ -544,11 +548,58 @@ class BaseKVCacheEngine:
         in_place: bool,
         attention_window: AttentionWindow | None = None,
     ) -> list[int]:
-        """The frame of every key frame a call attends to, in the order the engine returns the keys."""
+        """The frame of every key frame a call attends to, in the order the engine returns the keys: the gathered
+        prefix then the call's frames, or, read in place (:meth:`plan_call`), the storage's first slots in slot
+        order (the sink, then the ring, whose order is not frame order once the window has wrapped)."""
         if in_place:
-            raise ValueError(f"{type(self).__name__} has no in-place attention path.")
+            if not self.storage_class.fixed_slots:
+                raise ValueError(f"{type(self).__name__} has no in-place attention path.")
+            return list(self._slot_frames(start_frame + num_frames))
         prefix = self.prefix_key_frames(cache_tag, start_frame, first_chunk_frames, attention_window)
         return [*prefix, *range(start_frame, start_frame + num_frames)]
+
+    # ------------------------------------------------------------------ one call: plan, views, store
+    def plan_call(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        num_frames: int,
+        first_chunk_frames: int,
+        attention_window: AttentionWindow | None = None,
+    ) -> CallPlan:
+        """The plan of a call, shared by every block of the branch (once per forward, after :meth:`begin_call`):
+        whether attention reads the storage in place (:meth:`static_call`) or a gathered prefix."""
+        slots = self.static_call(cache_tag, start_frame, num_frames, first_chunk_frames, attention_window)
+        return CallPlan(cache_tag, start_frame, num_frames, first_chunk_frames, attention_window, slots)
+
+    def cache_view(self, block_idx: int, plan: CallPlan, store: bool = False) -> SlotView | PrefixView:
+        """What block ``block_idx``'s self-attention reads for the call ``plan``: the storage read in place, or the
+        visible prefix gathered right before the block runs (``store``: it hands the call's K/V back for
+        :meth:`store`; written in place they need no hand-back)."""
+        if plan.slots is not None:
+            key, value = self._self_kv[block_idx][plan.cache_tag].view()
+            return SlotView(key, value, plan.slots.write_index, plan.slots.valid_length)
+        load = functools.partial(
+            self.get_self_prefix,
+            block_idx,
+            plan.cache_tag,
+            plan.start_frame,
+            plan.first_chunk_frames,
+            plan.attention_window,
+        )
+        return PrefixView(load, store=store)
+
+    def store(self, plan: CallPlan, views: Sequence[SlotView | PrefixView], chunk_layout: Sequence[int]) -> None:
+        """Store the call ``plan`` once every block has run, from each block's view (:meth:`cache_view`): K/V
+        written in place are only recorded, handed-back ones are appended (:meth:`append_self_kv`)."""
+        start, num_frames = plan.start_frame, plan.num_frames
+        if plan.slots is not None:
+            self._store_window(self._tags[plan.cache_tag], start, start + num_frames)
+        else:
+            for block_idx, view in enumerate(views):
+                self.append_self_kv(block_idx, plan.cache_tag, view.new_key, view.new_value, start)
+                view.new_key = view.new_value = None
+        self.commit_store(plan.cache_tag, start, num_frames, chunk_layout)
 
     def static_call(
         self,
@@ -557,10 +608,69 @@ class BaseKVCacheEngine:
         num_frames: int,
         first_chunk_frames: int,
         attention_window: AttentionWindow | None = None,
-    ) -> Any:
-        """The in-place plan of a call (:meth:`StaticKVCacheEngine.static_call`), or ``None``: the call gathers its
-        visible prefix (:meth:`get_self_prefix`), as every call of an engine without fixed buffers does."""
-        return None
+    ) -> SlotPlan | None:
+        """The in-place part of :meth:`plan_call`: a :class:`SlotPlan` when attention can read the storage in place
+        (:meth:`~fastgen_diffusers.kv_cache.storage.KVStorage.view`), else ``None`` and the call gathers its prefix:
+        a storage with no in-place view (a list of runs, 8-bit data), a call not at the end of the cache, several
+        chunks, gradients on, a windowed recache, a call under its own ``attention_window`` (whose frames are not the
+        storage's holding window) or after a KV flush that dropped frames the window would show.
+
+        Slots that hold frames the open transaction must be able to restore are kept first, as :meth:`_write` does.
+        Built once per chunk (every step of a chunk and its store share it).
+        """
+        state = self._tags.get(cache_tag)
+        if state is None or start_frame != state.num_frames or first_chunk_frames != num_frames:
+            return None
+        # a windowed recache attends to the held frames only, a per-call window to its own frames, not the buffers'
+        if state.recaching or attention_window is not None or not self._self_kv:
+            return None
+        view = self._self_kv[0][cache_tag].view()
+        if view is None or torch.is_grad_enabled():
+            return None
+        if state.flushed_before > self.window.visible(start_frame, num_frames)[1]:
+            return None  # a KV flush dropped frames the window would show: gather the held ones
+        seqlen = state.frame_seqlen
+        end_frame = start_frame + num_frames
+        runs = self._slot_runs(start_frame, end_frame)
+        for per_tag in self._self_kv:
+            entry = per_tag[cache_tag]
+            for _, slot, count in runs:
+                self._keep_for_undo(entry, slot, slot + count, seqlen)
+        capacity = view[0].shape[1]
+        key = (start_frame, num_frames, seqlen, capacity, state.device, state.dtype)
+        if self._last_slot_plan is not None and self._last_slot_plan[0] == key:
+            return self._last_slot_plan[1]
+        write_index = torch.cat(
+            [torch.arange(slot * seqlen, (slot + count) * seqlen, device=state.device) for _, slot, count in runs]
+        )
+        valid_length = torch.empty(self.window.slots(end_frame) * seqlen, 0, device=state.device)
+        torch._dynamo.maybe_mark_dynamic(valid_length, 0)
+        plan = SlotPlan(write_index, valid_length, self._slot_frames(end_frame), capacity // seqlen)
+        self._last_slot_plan = (key, plan)
+        return plan
+
+    def _slot_frames(self, end_frame: int) -> tuple[int, ...]:
+        """The frame each of the first ``window.slots(end_frame)`` slots holds once frames ``[0, end_frame)`` have
+        been written (the sink and the most recent frames under a window)."""
+        window = self.window
+        if window.all_seen_until(end_frame):
+            return tuple(range(end_frame))
+        frames = [0] * window.frames
+        for first, last in ((0, window.sink), (end_frame - window.room, end_frame)):
+            for frame, slot, count in self._slot_runs(first, last):
+                frames[slot : slot + count] = range(frame, frame + count)
+        return tuple(frames)
+
+    def static_buffers(self, block_idx: int, cache_tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read-only view kept for external code: the K/V tensors of one block and tag's storage that attention reads
+        in place (:meth:`cache_view`); ``RuntimeError`` for a storage read only through a gathered prefix."""
+        view = self._self_kv[block_idx][cache_tag].view()
+        if view is None:
+            raise RuntimeError(
+                f"{type(self).__name__}'s storage has no compute-dtype buffers to attend to in place (an 8-bit KV "
+                "cache, or a list of chunks): its calls read a gathered prefix."
+            )
+        return view
 
     def _store_window(self, state: TagState, start_frame: int, end_frame: int) -> list[tuple[int, int]]:
         """Frame ranges of a store of ``[start_frame, end_frame)`` that the engine keeps; records what it evicts.
