@@ -366,6 +366,11 @@ CASES = {
         2,
         "every eviction must remove exactly sink_frames=3 frames",
     ),
+    "switch past the last chunk without a reference image": (
+        ["--num-frames", "17", "--prompt-switch", "5:a dog"],
+        2,
+        "The prompt switch at pixel frame 5 is past the last chunk, which starts at pixel frame 0",
+    ),
     "switch past the last chunk": (
         ["--prompt-switch", "17:a dog"],
         2,
@@ -470,6 +475,10 @@ CONTROLS = {
     "video past the RoPE table with window positions": ["--num-frames", "4101", "--attention-window", "9",
                                                         "--rope-positions", "window"],
     "an output folder to create": ["--output", "new/folder/video.mp4"],
+    # a reference image is a latent frame before the video: 17 frames are chunks of latent frames [0, 3), [3, 6), so
+    # a chunk starts at pixel frame 5
+    "a switch at a chunk that a reference image moves": ["--reference-image", "{frame.png}", "--num-frames", "17",
+                                                         "--prompt-switch", "5:a dog"],
 }  # fmt: skip
 
 

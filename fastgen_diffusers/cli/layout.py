@@ -44,9 +44,14 @@ def check_rollout_layout(args: argparse.Namespace, given_frames: int | None = No
     settings = generate_settings(args)
     if settings is None or layout is None or args.num_frames is None:
         return
-    bounds = rollout_bounds(latent_frames(args.num_frames), layout, whole_chunks=wants_v2v(args))
+    # VACE's reference images are latent frames of their own before the video's frame 0
+    references = len(getattr(args, "reference_image", None) or ())
+    num_latent = latent_frames(args.num_frames) + references
+    bounds = rollout_bounds(num_latent, layout, whole_chunks=wants_v2v(args))
     try:
-        settings.check_chunks(bounds, layout["chunk_size"], rope_table=layout["rope_max_seq_len"])
+        settings.check_chunks(
+            bounds, layout["chunk_size"], rope_table=layout["rope_max_seq_len"], leading_frames=references
+        )
     except ValueError as error:
         raise UsageError(str(error)) from None
     stored = stored_settings(args.model) or {}
