@@ -104,3 +104,21 @@ class ChunkPlan:
     def end(self) -> int:
         """One past the last latent frame of the plan."""
         return self.spans[-1].end
+
+
+@dataclass(frozen=True)
+class OpenEndedChunkPlan:
+    """The chunks of an endless stream: those of ``head``, then chunks of ``chunk_size`` latent frames on
+    ``schedule`` for as long as they are asked for. Iterating it never ends, and it has no ``spans``: its chunks are
+    not known up front (a policy that needs them refuses it)."""
+
+    head: ChunkPlan
+    chunk_size: int
+    schedule: Mapping[str, Any]
+
+    def __iter__(self) -> Iterator[tuple[ChunkSpan, Mapping[str, Any]]]:
+        yield from self.head
+        index, start = len(self.head) + self.head.spans[0].index, self.head.end
+        while True:
+            yield ChunkSpan(index, start, start + self.chunk_size), self.schedule
+            index, start = index + 1, start + self.chunk_size
