@@ -518,6 +518,7 @@ class SessionManager:
             "height": int(frames.shape[1]),
             "width": int(frames.shape[2]),
             "latency_ms": round(1000 * (time.perf_counter() - started), 2),
+            "cache_bytes": session.cache_bytes(),  # the session's KV cache after this chunk
         }
         session.next_chunk += 1
         session.frames_sent += len(frames)
