@@ -680,3 +680,35 @@ def test_a_live_prompt_change_the_policy_cannot_serve_gets_its_settings_error_an
     (error,) = [m for m in others if m["type"] == "error"]
     assert "`kv_cache_policy='rolling'` denoises several chunks in one forward" in error["message"]
     assert not error["fatal"] and [meta["index"] for meta, _ in chunks] == list(range(5))
+
+
+@pytest.mark.parametrize(
+    "switch_settings",
+    [{"recache": True}, {"recache": True, "recache_sink": "keep"}, {"kv_flush": True}],
+    ids=["recache", "recache-keep-sink", "kv-flush"],
+)
+def test_the_prompt_switch_settings_pass_through_to_a_live_change(server, pipe, switch_settings):
+    """The settings JSON carries the prompt-switch settings; a live change runs under them as a scheduled switch."""
+    address, _ = server
+    settings = {**RAW, "attention_window": 6, "sink_frames": 3, **switch_settings}
+
+    async def run():
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(settings=settings, num_frames=65))
+            started = (await receive_until(ws, "started"))[-1]
+            first = await receive_chunks(ws, 1)
+            await ws.send(json.dumps({"type": "prompt", "prompt": NEW_PROMPT, "transition_chunks": 0}))
+            chunks, others = split_messages(await receive_until(ws, "stopped"))
+            return started, first + chunks, others
+
+    started, chunks, others = asyncio.run(run())
+    prompts = RolloutSettings.from_dict(started["settings"]["rollout"]).prompts
+    assert {name: getattr(prompts, name) for name in switch_settings} == switch_settings
+    (switch,) = [m["index"] for m in others if m["type"] == "prompt"]
+    (switch_meta,) = [meta for meta, _ in chunks if meta["index"] == switch]
+    call = {k: v for k, v in settings.items() if k not in RAW}
+    expected = stream_frames(pipe, {0: PROMPT, switch_meta["frame_start"]: NEW_PROMPT}, num_frames=65, **call)
+    for meta, frames in chunks:
+        first, served = meta["frame_start"], raw_frames([(meta, frames)]).astype(int)
+        tolerance = 0 if meta["index"] < switch else 1  # the new prompt is encoded alone here
+        np.testing.assert_allclose(served, expected[first : first + len(frames)], rtol=0, atol=tolerance)

@@ -103,7 +103,9 @@ class RolloutRun:
         """Switch the conditional prompt to ``prompt_embeds`` (``(B, L, text_dim)``) from chunk ``chunk_index`` on,
         while the rollout runs (a live prompt change): the switch is read when that chunk begins, exactly as a prompt
         schedule's switch at that chunk, blended in over ``transition_chunks`` chunks (default: the call's
-        ``prompt_transition_chunks``). The caller picks a chunk that has not begun (a begun chunk never reads it)."""
+        ``prompt_transition_chunks``), with the call's switch settings (``recache``, whose history a run with
+        ``recache=True`` keeps from its start, ``recache_sink``, ``kv_flush``). The caller picks a chunk that has not
+        begun (a begun chunk never reads it)."""
         if transition_chunks is not None:
             # the call's prompt schedule with this transition (a KV flush or a scene cut switches at once)
             self.options.settings.prompts.replace(prompt_transition_chunks=transition_chunks)
@@ -337,7 +339,8 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
             schedule=schedule,
             first_schedule=first_schedule,
             attention_kwargs=options.attention_kwargs,
-            keep_history=history_to_keep(options.keep_cache, options.recache and bool(switches)),
+            # what a recache needs, with or without a scheduled switch: a live one may come (`run.switch_prompt`)
+            keep_history=history_to_keep(options.keep_cache, options.recache),
             num_reference_frames=refs,
             prompt_transition_chunks=options.prompt_transition_chunks,
             kv_cache_attention_bias=options.kv_cache_attention_bias,
