@@ -103,7 +103,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     }
     stored["reward_chunk2_model"] = stored["reward_model"]  # the same settings on a student chunking by 2 frames
     stored["rolling_4_steps_model"] = {**stored["rolling_model"], "timesteps": [1000.0, 750.0, 500.0, 250.0]}
-    chunk_sizes = {"reward_model": 3, "reward_chunk2_model": 2, "rolling_4_steps_model": 3}
+    stored["narrow_window_model"] = {"attention_window": 2}  # smaller than its chunks of 3: from_pretrained refuses it
+    chunk_sizes = {"reward_model": 3, "reward_chunk2_model": 2, "rolling_4_steps_model": 3, "narrow_window_model": 3}
     for name, settings in stored.items():
         (folder / name).mkdir()
         (folder / name / "model_index.json").write_text(json.dumps({"_class_name": "WanCausalPipeline", **settings}))
@@ -365,6 +366,12 @@ CASES = {
         ["--model", "{reward_chunk2_model}"],
         2,
         "every eviction must remove exactly sink_frames=3 frames",
+    ),
+    "stored settings the model cannot sample": (
+        ["--model", "{narrow_window_model}"],
+        2,
+        "--model {narrow_window_model}: its stored settings cannot be sampled: The chunk of latent frames [0, 3) does "
+        "not fit the attention window",
     ),
     "switch past the last chunk without a reference image": (
         ["--num-frames", "17", "--prompt-switch", "5:a dog"],
