@@ -287,7 +287,7 @@ def test_stored_rolling_policy_serves_text_to_video_only(pipe):
     conditioned = Conditioned(**{**pipe.components, "kv_cache_policy": "rolling"})
     assert not conditioned.supports_rolling() and stored.supports_rolling()
     assert conditioned.resolve_options(RolloutOptions(prompt="a")).kv_cache_policy is None  # samples sequentially
-    with pytest.raises(ValueError, match="text-to-video rollouts only"):
+    with pytest.raises(ValueError, match="cannot run on Conditioned: it conditions its chunks by frame"):
         _latents(conditioned, kv_cache_policy="rolling")
 
 
