@@ -41,6 +41,49 @@ def chunk_bounds(layout: tuple[int, ...], start_frame: int = 0) -> list[tuple[in
     return bounds
 
 
+def check_given_frames(
+    name: str,
+    num_given: int,
+    num_frames: int,
+    chunk_bounds: Sequence[tuple[int, int]],
+    chunk_size: int,
+    independent_first_frame: bool,
+    temporal_factor: int = 4,
+) -> None:
+    """Raise ``ValueError`` unless the ``num_given`` pixel frames of ``name`` (``"image"``: 1, or a ``"video"`` clip)
+    that a T2V student takes as its first chunks fill whole chunks of a rollout of ``num_frames`` pixel frames split
+    into ``chunk_bounds`` (``chunk_size``, ``independent_first_frame``: the transformer's chunking), and leave some to
+    generate: ``temporal_factor``k+1 frames ending a chunk."""
+    temporal = temporal_factor
+    if num_given % temporal != 1:
+        raise ValueError(
+            f"`{name}` has {num_given} frames; a clip must have {temporal}k+1 frames (1, {temporal + 1}, "
+            f"{2 * temporal + 1}, ...) to encode to whole latent frames."
+        )
+    num_context = (num_given - 1) // temporal + 1
+    if num_context >= (num_frames - 1) // temporal + 1:
+        raise ValueError(
+            f"`num_frames={num_frames}` leaves nothing to generate after the {num_given} given frames of `{name}`: "
+            f"ask for more than {num_given} frames."
+        )
+    ends = [end for _, end in chunk_bounds]
+    if num_context in ends:
+        return
+    fits = [(end - 1) * temporal + 1 for end in ends[:-1]]
+    hint = (
+        " A single image is a chunk of its own only with `independent_first_frame=True` (for a student trained that "
+        "way: `WanCausalTransformer3DModel.from_pretrained(path, subfolder='transformer', independent_first_frame="
+        "True)`); otherwise extend a `video` clip."
+        if num_given == 1
+        else ""
+    )
+    raise ValueError(
+        f"`{name}` encodes to {num_context} latent frames, which do not fill whole chunks of this rollout (chunks end "
+        f"at latent frames {ends}; chunk_size={chunk_size}, independent_first_frame={independent_first_frame}). "
+        f"Accepted clip lengths: {fits} frames.{hint}"
+    )
+
+
 @dataclass(frozen=True)
 class ChunkSpan:
     """One chunk of a rollout: its position ``index`` and its latent frames ``[start, end)``."""
@@ -104,3 +147,21 @@ class ChunkPlan:
     def end(self) -> int:
         """One past the last latent frame of the plan."""
         return self.spans[-1].end
+
+
+@dataclass(frozen=True)
+class OpenEndedChunkPlan:
+    """The chunks of an endless stream: those of ``head``, then chunks of ``chunk_size`` latent frames on
+    ``schedule`` for as long as they are asked for. Iterating it never ends, and it has no ``spans``: its chunks are
+    not known up front (a policy that needs them refuses it)."""
+
+    head: ChunkPlan
+    chunk_size: int
+    schedule: Mapping[str, Any]
+
+    def __iter__(self) -> Iterator[tuple[ChunkSpan, Mapping[str, Any]]]:
+        yield from self.head
+        index, start = len(self.head) + self.head.spans[0].index, self.head.end
+        while True:
+            yield ChunkSpan(index, start, start + self.chunk_size), self.schedule
+            index, start = index + 1, start + self.chunk_size

@@ -44,6 +44,8 @@ class CausalContext:
         block_inputs: per branch of ``cache_engines``, what the model prepared for each block's attention in this
             forward (``BlockAttentionInputs`` of :mod:`~fastgen_diffusers.processors.attention`, by block index), read
             by the processors through :meth:`prepared_inputs` / :meth:`at_block`.
+        call_plans: per branch, the engine's plan of this call (:meth:`BaseKVCacheEngine.plan_call`), which its
+            store after the blocks reads.
     """
 
     cache_engines: Mapping[str, BaseKVCacheEngine]
@@ -62,6 +64,7 @@ class CausalContext:
     attention_window: AttentionWindow | None = None
     query_positions: tuple[int, ...] | None = None
     block_inputs: Mapping[str, Sequence[Any]] = field(default_factory=dict)
+    call_plans: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def is_multi_chunk(self) -> bool:

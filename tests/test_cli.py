@@ -206,6 +206,9 @@ def test_convert_is_a_subcommand(capsys):
 # A valid value of each settings flag `generate` passes to the pipeline call (valid for text-to-video).
 SETTINGS_FLAG_VALUES = {
     "steps": ["--steps", "2"],
+    "timesteps": ["--timesteps", "1000", "500"],
+    "first_chunk_timesteps": ["--first-chunk-timesteps", "1000", "750", "500"],
+    "context_noise": ["--context-noise", "100"],
     "guidance_scale": ["--guidance-scale", "3"],
     "attention_window": ["--attention-window", "6"],
     "sink_frames": ["--attention-window", "6", "--sink-frames", "3"],

@@ -103,7 +103,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     }
     stored["reward_chunk2_model"] = stored["reward_model"]  # the same settings on a student chunking by 2 frames
     stored["rolling_4_steps_model"] = {**stored["rolling_model"], "timesteps": [1000.0, 750.0, 500.0, 250.0]}
-    chunk_sizes = {"reward_model": 3, "reward_chunk2_model": 2, "rolling_4_steps_model": 3}
+    stored["narrow_window_model"] = {"attention_window": 2}  # smaller than its chunks of 3: from_pretrained refuses it
+    chunk_sizes = {"reward_model": 3, "reward_chunk2_model": 2, "rolling_4_steps_model": 3, "narrow_window_model": 3}
     for name, settings in stored.items():
         (folder / name).mkdir()
         (folder / name / "model_index.json").write_text(json.dumps({"_class_name": "WanCausalPipeline", **settings}))
@@ -153,12 +154,14 @@ CASES = {
     "rolling with image": (
         ["--kv-cache-policy", "rolling", "--image", "{frame.png}"],
         2,
-        "--kv-cache-policy rolling cannot be combined with --image: the pipeline it picks cannot run that policy",
+        "`kv_cache_policy='rolling'` cannot run on WanCausalImageToVideoPipeline: it conditions its chunks by frame",
     ),
     "rolling with input video": (
         ["--kv-cache-policy", "rolling", "--input-video", "{clip9.gif}"],
         2,
-        "--kv-cache-policy rolling cannot be combined with --input-video: the pipeline it picks cannot run that",
+        "`kv_cache_policy='rolling'` cannot run on WanCausalVideoToVideoPipeline: the policy replaces the "
+        "chunk-by-chunk rollout, which that pipeline does not run. Accepted here: (None, 'sequential', 'recompute'). "
+        "(the pipeline of --input-video)",
     ),
     "context without recompute": (
         ["--context-frames", "3"],
@@ -316,14 +319,14 @@ CASES = {
     "recompute with image": (
         ["--kv-cache-policy", "recompute", "--context-frames", "3", "--image", "{frame.png}"],
         2,
-        "--kv-cache-policy recompute cannot be combined with --image: the pipeline it picks cannot run that policy "
-        "(Krea's recompute: the KV cache rebuilt from a few clean context frames before each chunk); accepted with "
-        "it: sequential.",
+        "`kv_cache_policy='recompute'` cannot run on WanCausalImageToVideoPipeline: it conditions its chunks by frame "
+        "(an image, a clip, a control video), which the policy cannot read. Accepted here: (None, 'sequential'). (the "
+        "pipeline of --image)",
     ),
     "recompute with control video": (
         ["--kv-cache-policy", "recompute", "--context-frames", "3", "--control-video", "{control5.gif}"],
         2,
-        "--kv-cache-policy recompute cannot be combined with --control-video: the pipeline it picks cannot run",
+        "`kv_cache_policy='recompute'` cannot run on WanCausalVACEPipeline: it conditions its chunks by frame",
     ),
     "switch past the input video": (
         ["--input-video", "{clip9.gif}", "--prompt-switch", "15:a dog"],
@@ -364,6 +367,17 @@ CASES = {
         2,
         "every eviction must remove exactly sink_frames=3 frames",
     ),
+    "stored settings the model cannot sample": (
+        ["--model", "{narrow_window_model}"],
+        2,
+        "--model {narrow_window_model}: its stored settings cannot be sampled: The chunk of latent frames [0, 3) does "
+        "not fit the attention window",
+    ),
+    "switch past the last chunk without a reference image": (
+        ["--num-frames", "17", "--prompt-switch", "5:a dog"],
+        2,
+        "The prompt switch at pixel frame 5 is past the last chunk, which starts at pixel frame 0",
+    ),
     "switch past the last chunk": (
         ["--prompt-switch", "17:a dog"],
         2,
@@ -383,13 +397,13 @@ CASES = {
     "clip does not fill whole chunks": (
         ["--video", "{clip9.gif}", "--num-frames", "13"],
         2,
-        "--video encodes to 3 latent frames, which do not fill whole chunks of this rollout (chunks end at latent "
+        "`video` encodes to 3 latent frames, which do not fill whole chunks of this rollout (chunks end at latent "
         "frames [1, 4]",
     ),
     "image on a student without a first frame alone": (
         ["--model", "{reward_model}", "--image", "{frame.png}"],
         2,
-        "--image encodes to 1 latent frames, which do not fill whole chunks",
+        "`image` encodes to 1 latent frames, which do not fill whole chunks",
     ),
     "output folder cannot be created": (
         ["--output", "{a_file}.d/" + "x" * 300 + "/video.mp4"],  # a folder name longer than file systems take
@@ -402,8 +416,13 @@ CASES = {
     "image is a folder": (["--image", "{empty_model}"], 2, "no such file"),
     "image does not decode": (["--image", "{notes.png}"], 2, "cannot be read as an image"),
     "missing video": (["--video", "nope.mp4"], 2, "--video nope.mp4: no such file"),
-    "clip not 4k+1": (["--video", "{clip4.gif}"], 2, "has 4 frames; a clip to extend must have 4k+1"),
-    "clip leaves nothing": (["--video", "{clip9.gif}", "--num-frames", "9"], 2, "leave nothing to generate"),
+    "clip not 4k+1": (["--video", "{clip4.gif}"], 2, "`video` has 4 frames; a clip must have 4k+1 frames"),
+    "clip leaves nothing": (
+        ["--video", "{clip9.gif}", "--num-frames", "9"],
+        2,
+        "`num_frames=9` leaves nothing to generate after the 9 given frames of `video`: ask for more than 9 frames. "
+        "(--video {clip9.gif})",
+    ),
     "image and video": (["--image", "{frame.png}", "--video", "{clip9.gif}"], 2, "not allowed with argument"),
     "missing control video": (["--control-video", "nope.mp4"], 2, "--control-video nope.mp4: no such file"),
     "missing mask": (["--control-video", "{control5.gif}", "--mask", "nope.mp4"], 2, "--mask nope.mp4: no such"),
@@ -468,6 +487,10 @@ CONTROLS = {
     "video past the RoPE table with window positions": ["--num-frames", "4101", "--attention-window", "9",
                                                         "--rope-positions", "window"],
     "an output folder to create": ["--output", "new/folder/video.mp4"],
+    # a reference image is a latent frame before the video: 17 frames are chunks of latent frames [0, 3), [3, 6), so
+    # a chunk starts at pixel frame 5
+    "a switch at a chunk that a reference image moves": ["--reference-image", "{frame.png}", "--num-frames", "17",
+                                                         "--prompt-switch", "5:a dog"],
 }  # fmt: skip
 
 

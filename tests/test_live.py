@@ -49,6 +49,21 @@ def test_recache_changes_the_chunk_after_the_switch(pipe, cat):
     assert not torch.allclose(recached[:, :, 3:6], plain[:, :, 3:6])
 
 
+@pytest.mark.parametrize("recache", [False, True])
+def test_a_live_switch_equals_the_scheduled_switch_recache_included(pipe, recache):
+    """``RolloutRun.switch_prompt`` while the stream runs (the server's live prompt change) recaches exactly as a
+    scheduled switch: a run with ``recache=True`` keeps the history a recache needs from its start."""
+    scheduled = pipe(prompt_embeds={0: _embeds(1), 9: _embeds(2)}, recache=recache, generator=_seed(0), **CALL).frames
+    options = pipe.stream_options(prompt_embeds=_embeds(1), recache=recache, generator=_seed(0), **CALL)
+    run = pipe.prepare_rollout(options)
+    chunks = []
+    for chunk in pipe.stream_run(run):
+        chunks.append(chunk.latents)
+        if len(chunks) == 1:
+            run.switch_prompt(1, _embeds(2))
+    assert torch.equal(torch.cat(chunks, dim=2), scheduled)
+
+
 def test_streamed_prompt_switch_equals_call(pipe):
     kwargs = {**CALL, "prompt": {0: "a cat", 9: "a dog"}, "recache": True}
     streamed = torch.cat([c.latents for c in pipe.stream(generator=_seed(0), **kwargs)], dim=2)

@@ -72,7 +72,12 @@ class NoForward:
 def test_conditioned_pipelines_refuse_recompute_and_rolling_before_work(make):
     pipe = make()
     for policy, extra in (("recompute", {}), ("recompute", {"context_frames": 2}), ("rolling", {})):
-        with NoForward(pipe), pytest.raises(ValueError, match=r"kv_cache_policy='.*'` drives text-to-video.*by frame"):
+        with (
+            NoForward(pipe),
+            pytest.raises(
+                ValueError, match=r"kv_cache_policy='.*'` cannot run on .*: it conditions its chunks by frame"
+            ),
+        ):
             run(pipe, kv_cache_policy=policy, **extra)
     assert pipe.supported_policies() == (None, "sequential")
     assert torch.equal(run(pipe, kv_cache_policy="sequential"), run(pipe))
@@ -137,12 +142,16 @@ def test_video_to_video_checks_its_arguments_and_refuses_rolling():
         ({"guidance_scale": 0.5}, "`guidance_scale` must be"),
         ({"recache": "yes"}, "`recache` must be True or False"),
         ({"return_dict": 1}, "`return_dict` must be True or False"),
-        ({"kv_cache_policy": "rolling"}, r"'rolling'` drives text-to-video.*Accepted here: \(None, 'sequential', "),
+        (
+            {"kv_cache_policy": "rolling"},
+            r"'rolling'` cannot run on WanCausalVideoToVideoPipeline: the policy replaces the chunk-by-chunk "
+            r"rollout.*Accepted here: \(None, 'sequential', ",
+        ),
     ):
         with NoForward(pipe), pytest.raises(ValueError, match=match):
             pipe(**call, **bad)
     live = iter(list(call["video"]))
-    with pytest.raises(ValueError, match="'rolling'` drives"):
+    with pytest.raises(ValueError, match="'rolling'` cannot run on"):
         pipe(**{**call, "video": live}, kv_cache_policy="rolling")
     assert len(list(live)) == 9  # a refused call takes no frame of a live video
 

@@ -287,7 +287,7 @@ def test_stored_rolling_policy_serves_text_to_video_only(pipe):
     conditioned = Conditioned(**{**pipe.components, "kv_cache_policy": "rolling"})
     assert not conditioned.supports_rolling() and stored.supports_rolling()
     assert conditioned.resolve_options(RolloutOptions(prompt="a")).kv_cache_policy is None  # samples sequentially
-    with pytest.raises(ValueError, match="text-to-video rollouts only"):
+    with pytest.raises(ValueError, match="cannot run on Conditioned: it conditions its chunks by frame"):
         _latents(conditioned, kv_cache_policy="rolling")
 
 
@@ -308,3 +308,22 @@ def test_rolling_callback_runs_per_window_and_interrupts(pipe):
     assert torch.equal(interrupted[:, :, :10], whole[:, :, :10])  # chunks 0-2 left their windows by window 5
     noise = torch.randn(whole.shape, generator=torch.Generator().manual_seed(0))
     assert torch.equal(interrupted[:, :, 10:], noise[:, :, 10:])
+
+
+def test_a_plan_run_directly_is_refused_with_the_policys_own_messages():
+    """``RollingPolicy.run`` on a plan a pipeline call would refuse (a first-chunk schedule, a prompt schedule) says
+    what the settings say (``RollingSettings.check``), before any forward."""
+    pipe = PolicyHost()
+    schedule = CausalRolloutMixin.rollout_schedule(pipe, 2, timesteps=[1000.0, 500.0])
+    first = CausalRolloutMixin.rollout_schedule(pipe, 1, timesteps=[1000.0, 750.0, 500.0])
+    bounds = [(0, 3), (3, 6), (6, 9)]
+    session = RolloutSession(
+        tiny_pipeline().transformer, Conditioner(), prompt_embeds=torch.zeros(1, 4, 32), negative_prompt_embeds=None,
+        guidance_scale=1.0, context_noise=0.0, schedule={}, keep_history=False,
+    )  # fmt: skip
+    noise = NoiseSource(torch.zeros(1, 4, 9, 2, 2))
+    with pytest.raises(ValueError, match="runs every chunk on one schedule: `first_chunk_timesteps` is not supported"):
+        next(RollingPolicy().run(pipe, session, ChunkPlan.from_bounds(bounds, schedule, first_schedule=first), noise))
+    with pytest.raises(ValueError, match="a prompt schedule .a dict `prompt`. needs `kv_cache_policy='sequential'`"):
+        plan = ChunkPlan.from_bounds(bounds, schedule)
+        next(RollingPolicy().run(pipe, session, plan, noise, prompt_switches={1: torch.zeros(1, 4, 32)}))

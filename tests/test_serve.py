@@ -29,7 +29,7 @@ from serve_helpers import (  # noqa: E402
 from fastgen_diffusers import WanCausalVideoToVideoPipeline, testing  # noqa: E402
 from fastgen_diffusers.serve.app import MAX_MESSAGE_BYTES  # noqa: E402
 from fastgen_diffusers.serve.jpeg import decode_jpeg, encode_jpeg, to_uint8  # noqa: E402
-from fastgen_diffusers.serve.sessions import SessionManager, session_transformer  # noqa: E402
+from fastgen_diffusers.serve.sessions import SessionManager, endless_settings, session_transformer  # noqa: E402
 from fastgen_diffusers.serve.settings_json import session_settings  # noqa: E402
 from fastgen_diffusers.settings import RolloutSettings  # noqa: E402
 
@@ -562,3 +562,150 @@ def test_a_restart_purges_the_chunks_queued_for_a_lagging_client(slow_server, pi
     assert [meta["index"] for meta, _ in new] == [0, 1, 2]
     np.testing.assert_array_equal(raw_frames(new), stream_frames(pipe, NEW_PROMPT))
     asyncio.run(wait_idle(address))
+
+
+ENDLESS_CHUNKS = 14  # 42 latent frames: past the RoPE table of 12 and --max-frames 33
+
+
+@pytest.fixture(scope="module")
+def endless_pipe():
+    return testing.tiny_pipeline(rope_max_seq_len=12)
+
+
+@pytest.mark.parametrize(
+    "rollout, window",
+    [
+        ({"attention_window": 6, "rope_positions": "window"}, 6),  # positions within the window
+        ({"kv_cache_policy": "recompute", "context_frames": 3}, None),  # the cache rebuilt over 3 frames
+        ({}, 9),  # unbounded settings: the server's --endless-window, absolute positions re-based
+    ],
+    ids=["window", "recompute", "default-window"],
+)
+def test_an_endless_stream_outlives_the_rope_table_and_max_frames_in_flat_memory(endless_pipe, rollout, window):
+    """``num_frames: null`` streams for as long as the client reads, past the RoPE table and --max-frames, with the
+    cache bytes constant once the window is full, then stops cleanly."""
+
+    async def run(address):
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(settings={**RAW, **rollout}, num_frames=None))
+            started = (await receive_until(ws, "started"))[-1]
+            chunks, reserved = [], []
+            for _ in range(ENDLESS_CHUNKS):
+                chunks += await receive_chunks(ws, 1)
+                reserved.append(health(address)["reserved_bytes"])
+            await ws.send(json.dumps({"type": "stop"}))
+            await receive_until(ws, "stopped")
+            return started, chunks, reserved
+
+    with running_server(endless_pipe, max_frames=33, endless_window=9) as (address, _):
+        started, chunks, reserved = asyncio.run(run(address))
+        idle = asyncio.run(wait_idle(address))
+    resolved = RolloutSettings.from_dict(started["settings"]["rollout"])
+    assert resolved.cache.attention_window == window and started["settings"]["num_frames"] is None
+    assert [meta["index"] for meta, _ in chunks] == list(range(ENDLESS_CHUNKS))
+    assert chunks[-1][0]["frame_start"] > 33 and (chunks[-1][0]["frame_start"] - 1) // 4 + 1 > 12
+    frames = raw_frames(chunks)
+    assert len(frames) == sum(meta["frames"] for meta, _ in chunks) and frames.std() > 0
+    caches = [meta["cache_bytes"] for meta, _ in chunks]  # after each chunk
+    assert len(set(caches[4:])) == 1  # flat once the window is full (a growing cache gains a chunk each)
+    assert len(set(reserved)) == 1 and 0 < max(caches) <= reserved[0]  # within the admitted formula
+    assert idle["sessions"] == 0 and idle["cache_bytes"] == 0
+
+
+def test_an_endless_stream_equals_the_pipelines_endless_run(endless_pipe):
+    rollout = {"attention_window": 6, "rope_positions": "window"}
+
+    async def run(address):
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(settings={**RAW, **rollout}, num_frames=None))
+            chunks = await receive_chunks(ws, 6)
+            await ws.send(json.dumps({"type": "stop"}))
+            await receive_until(ws, "stopped")
+            return chunks
+
+    with running_server(endless_pipe) as (address, srv):
+        chunks = asyncio.run(run(address))
+        settings = session_settings({**RAW, **rollout}, {"seed": 7}, srv.manager.rollout_defaults, video=False)
+    config = endless_pipe.transformer.config
+    _, _, planned = endless_settings(endless_pipe.stored_settings(), settings, config.chunk_size, 12)
+    generator = torch.Generator("cpu").manual_seed(7)
+    call = {k: v for k, v in RAW.items() if k not in ("seed", "encoding")}
+    options = endless_pipe.stream_options(
+        PROMPT, num_frames=(planned - 1) * 4 + 1, generator=generator, output_type="np", **call, **rollout
+    )
+    stream = endless_pipe.stream_run(endless_pipe.prepare_rollout(options).endless())
+    expected = [chunk.frames[0] for _, chunk in zip(range(6), stream)]
+    stream.close()
+    np.testing.assert_array_equal(raw_frames(chunks), to_uint8(np.concatenate(expected)))
+
+
+@pytest.mark.parametrize(
+    "rollout, message",
+    [
+        ({}, "An endless stream (`num_frames`: null) needs settings that bound the KV cache"),
+        ({"kv_cache_policy": "rolling"}, "keeps absolute RoPE positions"),  # the policy's own rule
+    ],
+    ids=["unbounded-cache", "rolling"],
+)
+def test_an_endless_stream_the_settings_cannot_serve_is_refused_by_name(endless_pipe, rollout, message):
+    async def run(address):
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(settings={**RAW, **rollout}, num_frames=None))
+            reply = await receive_message(ws)
+            await ws.send(start(settings={**RAW, **rollout}, num_frames=33))  # a finite one still runs
+            return reply, await receive_until(ws, "stopped")
+
+    with running_server(endless_pipe, endless_window=None) as (address, _):
+        reply, finite = asyncio.run(run(address))
+        assert health(address)["cache_bytes"] == 0
+    assert reply["type"] == "error" and not reply["fatal"] and message in reply["message"], reply
+    assert "attention_window" in reply["message"] or rollout
+    assert sum(isinstance(m, dict) and m["type"] == "chunk" for m in finite) > 0
+
+
+def test_a_live_prompt_change_the_policy_cannot_serve_gets_its_settings_error_and_the_stream_goes_on(server):
+    address, _ = server
+
+    async def run():
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(settings={**RAW, "kv_cache_policy": "rolling"}, num_frames=65))
+            await receive_until(ws, "started")
+            await ws.send(json.dumps({"type": "prompt", "prompt": NEW_PROMPT}))
+            return split_messages(await receive_until(ws, "stopped"))
+
+    chunks, others = asyncio.run(run())
+    (error,) = [m for m in others if m["type"] == "error"]
+    assert "`kv_cache_policy='rolling'` denoises several chunks in one forward" in error["message"]
+    assert not error["fatal"] and [meta["index"] for meta, _ in chunks] == list(range(5))
+
+
+@pytest.mark.parametrize(
+    "switch_settings",
+    [{"recache": True}, {"recache": True, "recache_sink": "keep"}, {"kv_flush": True}],
+    ids=["recache", "recache-keep-sink", "kv-flush"],
+)
+def test_the_prompt_switch_settings_pass_through_to_a_live_change(server, pipe, switch_settings):
+    """The settings JSON carries the prompt-switch settings; a live change runs under them as a scheduled switch."""
+    address, _ = server
+    settings = {**RAW, "attention_window": 6, "sink_frames": 3, **switch_settings}
+
+    async def run():
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(settings=settings, num_frames=65))
+            started = (await receive_until(ws, "started"))[-1]
+            first = await receive_chunks(ws, 1)
+            await ws.send(json.dumps({"type": "prompt", "prompt": NEW_PROMPT, "transition_chunks": 0}))
+            chunks, others = split_messages(await receive_until(ws, "stopped"))
+            return started, first + chunks, others
+
+    started, chunks, others = asyncio.run(run())
+    prompts = RolloutSettings.from_dict(started["settings"]["rollout"]).prompts
+    assert {name: getattr(prompts, name) for name in switch_settings} == switch_settings
+    (switch,) = [m["index"] for m in others if m["type"] == "prompt"]
+    (switch_meta,) = [meta for meta, _ in chunks if meta["index"] == switch]
+    call = {k: v for k, v in settings.items() if k not in RAW}
+    expected = stream_frames(pipe, {0: PROMPT, switch_meta["frame_start"]: NEW_PROMPT}, num_frames=65, **call)
+    for meta, frames in chunks:
+        first, served = meta["frame_start"], raw_frames([(meta, frames)]).astype(int)
+        tolerance = 0 if meta["index"] < switch else 1  # the new prompt is encoded alone here
+        np.testing.assert_allclose(served, expected[first : first + len(frames)], rtol=0, atol=tolerance)

@@ -25,7 +25,12 @@ def test_serve_is_a_subcommand_with_loopback_defaults():
 
 @pytest.mark.parametrize(
     "flags, message",
-    [(["--port", "0"], "--port"), (["--steps", "0"], "--steps"), (["--cache-budget-gb", "-1"], "--cache-budget-gb")],
+    [
+        (["--port", "0"], "--port"),
+        (["--steps", "0"], "`num_inference_steps` must be a positive integer, got 0"),
+        (["--cache-budget-gb", "-1"], "--cache-budget-gb"),
+        (["--endless-window", "-1"], "--endless-window"),
+    ],
 )
 def test_bad_serve_flags_exit_2_before_anything_loads(flags, message, capsys):
     assert main(["serve", *flags]) == 2

@@ -101,17 +101,21 @@ def convert_door(components, arguments, saved):
 
 def cli_door(components, arguments, saved):
     """``fastgen-diffusers generate --num-frames 45`` (the call's 4 chunks of 3 on the tiny model) with ``arguments``
-    as its settings flags, checked before any model loads (the settings built from the flags, then asked about the
-    rollout's chunks); not through argparse, whose ``choices`` refuse a bad name first."""
+    as its settings flags (``switch_frames`` as ``--prompt-switch`` flags), checked before any model loads (the
+    settings built from the flags, then asked about the rollout's chunks); not through argparse, whose ``choices``
+    refuse a bad name first."""
     from fastgen_diffusers.cli import app
     from fastgen_diffusers.cli.checks import generate_settings
     from fastgen_diffusers.cli.common import SETTINGS_FLAGS
     from fastgen_diffusers.cli.layout import check_rollout_layout
 
     dests = {name: dest for dest, name in SETTINGS_FLAGS.items()}
+    arguments = dict(arguments)
+    switches = [f"{frame}:a dog" for frame in arguments.pop("switch_frames", ())]  # --prompt-switch FRAME:PROMPT
     if not set(arguments) <= set(dests):
         return NOT_A_DOOR
     args = app.build_parser().parse_args(["generate", "--prompt", "a fox", "--num-frames", "45"])
+    args.prompt_switch = switches
     for name, value in arguments.items():
         setattr(args, dests[name], value)
     return _refusal(lambda: (generate_settings(args), check_rollout_layout(args)))
@@ -124,7 +128,7 @@ DOORS = [call_door, stored_config_door, from_pretrained_door, convert_door, cli_
 def test_every_door_gives_the_same_verdict_and_message(components, saved, rule, arguments, message):
     verdicts = {door.__name__: door(components, arguments, saved) for door in DOORS}
     verdicts = {name: verdict for name, verdict in verdicts.items() if verdict is not NOT_A_DOOR}
-    assert "call_door" in verdicts
+    assert "call_door" in verdicts and "cli_door" in verdicts  # every rule enters by a call and by the command line
     if message is None:
         assert verdicts == dict.fromkeys(verdicts), verdicts
         return

@@ -14,14 +14,7 @@ import traceback
 from pathlib import Path
 
 from .. import __version__
-from ..settings import (
-    KEY_POSITIONS,
-    KV_CACHE_DTYPE_NAMES,
-    RECACHE_SINKS,
-    SINK_UPDATES,
-    RolloutSettings,
-    policy_names,
-)
+from ..settings import KV_CACHE_DTYPE_NAMES
 from .checks import (
     UsageError,
     check_generate_arguments,
@@ -31,7 +24,7 @@ from .checks import (
     settings_arguments,
     wants_vace,
 )
-from .common import SETTINGS_FLAGS
+from .common import add_settings_arguments
 from .convert import add_convert_subparser
 from .decoder import add_decoder_arguments, check_decoder_arguments, use_decoder
 from .i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
@@ -42,27 +35,6 @@ from .v2v import add_input_video_arguments, input_video_kwargs, load_v2v_pipelin
 DTYPES = ("bfloat16", "float16", "float32")
 CONTEXT_PARALLEL_MODES = ("ulysses",)  # fastgen_diffusers.parallel.CONTEXT_PARALLEL_MODES (a test keeps them equal)
 KV_CACHE_DTYPES = KV_CACHE_DTYPE_NAMES
-
-
-class RopeCutAction(argparse.Action):
-    """``--rope-cut``: ``True`` (a cut at every ``--prompt-switch``), or the switch frames given after it."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, tuple(values) if values else True)
-
-
-def settings_help(dest: str) -> str:
-    """The ``--help`` text of the settings flag ``dest``: the documentation of the settings value it sets
-    ([`RolloutSettings.help_of`]), so that help and behaviour cannot disagree (``%`` escaped for argparse)."""
-    return RolloutSettings.help_of(SETTINGS_FLAGS[dest]).replace("%", "%%")
-
-
-def add_settings_argument(group, dest: str, **kwargs) -> None:
-    """Add the settings flag ``--<dest>`` (``None`` when left out: the model's stored value stands), with the value's
-    documentation as its help."""
-    if kwargs.get("action") == "store_true":
-        kwargs["default"] = None
-    group.add_argument("--" + dest.replace("_", "-"), help=settings_help(dest), **kwargs)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -93,13 +65,6 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-frames", type=int, help="pixel frames, 4k+1 (default: 81; 21 for the tiny model)")
     parser.add_argument("--height", type=int, help="multiple of 16 (default: 480; 64 for the tiny model)")
     parser.add_argument("--width", type=int, help="multiple of 16 (default: 832; 64 for the tiny model)")
-    sampling = parser.add_argument_group(
-        "sampling and cache settings",
-        "Each flag left out takes the model's stored setting (`fastgen-diffusers convert` stores the release's), else "
-        "the default named below.",
-    )
-    add_settings_argument(sampling, "steps", type=int)
-    add_settings_argument(sampling, "guidance_scale", type=float)
     parser.add_argument("--negative-prompt", help="negative prompt, used when --guidance-scale > 1")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--fps", type=int, default=16, help="frames per second of the video (default: 16)")
@@ -109,28 +74,18 @@ def add_generate_subparser(subparsers: argparse._SubParsersAction) -> None:
         choices=DTYPES,
         help="model dtype of --model (default: bfloat16 on cuda, float32 otherwise; the tiny model runs in float32)",
     )
-    long_videos = parser.add_argument_group("long videos")
-    add_settings_argument(long_videos, "attention_window", type=int)
-    add_settings_argument(long_videos, "sink_frames", type=int)
-    add_settings_argument(long_videos, "kv_cache_policy", choices=policy_names())
-    add_settings_argument(long_videos, "context_frames", type=int)
-    add_settings_argument(long_videos, "kv_cache_attention_bias", type=float)
-    add_settings_argument(long_videos, "rope_positions", choices=tuple(KEY_POSITIONS))
-    add_settings_argument(long_videos, "sink_update", choices=SINK_UPDATES)
-    add_settings_argument(long_videos, "sink_decay", type=float)
-    add_settings_argument(long_videos, "kv_cache_dtype", choices=KV_CACHE_DTYPES)
-    add_settings_argument(long_videos, "keep_first_frame", action="store_true")
-    long_videos.add_argument(
+    settings = parser.add_argument_group(
+        "sampling and cache settings",
+        "Each flag left out takes the model's stored setting (`fastgen-diffusers convert` stores the release's), else "
+        "the default named below; the help of each is the setting's own documentation (fastgen_diffusers.settings).",
+    )
+    settings.add_argument(
         "--prompt-switch",
         action="append",
         metavar="FRAME:PROMPT",
         help="switch to PROMPT at pixel frame FRAME (repeatable; --prompt holds from frame 0)",
     )
-    add_settings_argument(long_videos, "prompt_transition_chunks", type=int)
-    add_settings_argument(long_videos, "recache", action="store_true")
-    add_settings_argument(long_videos, "recache_sink", choices=RECACHE_SINKS)
-    add_settings_argument(long_videos, "kv_flush", action="store_true")
-    add_settings_argument(long_videos, "rope_cut", action=RopeCutAction, nargs="*", type=int, metavar="FRAME")
+    add_settings_arguments(settings)
     parser.add_argument(
         "--stream", action="store_true", help="write frames to the video as chunks finish; print time to first frames"
     )

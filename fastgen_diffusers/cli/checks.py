@@ -137,6 +137,15 @@ def _pipeline_inputs(args: argparse.Namespace) -> tuple[list[str], bool, bool]:
     return given, conditions, getattr(args, "input_video", None) is None
 
 
+def _pipeline_name(given: list[str]) -> str:
+    """The pipeline class the conditioning flags ``given`` pick."""
+    if "input_video" in given:
+        return "WanCausalVideoToVideoPipeline"
+    if any(name in VACE_INPUTS for name in given):
+        return "WanCausalVACEPipeline"
+    return "WanCausalImageToVideoPipeline" if given else "WanCausalPipeline"
+
+
 def stored_rollout_settings(args: argparse.Namespace) -> RolloutSettings | None:
     """The settings ``--model`` stores (its ``model_index.json``, as ``from_pretrained`` reads them; the built-in tiny
     model stores none), as the pipeline the flags pick uses them: a stored policy it cannot run is left out (it
@@ -168,12 +177,11 @@ def generate_settings(args: argparse.Namespace) -> RolloutSettings | None:
     arguments = settings_arguments(args)
     policy = arguments.get("kv_cache_policy")
     given, conditions, sequential = _pipeline_inputs(args)
-    if policy in POLICIES and not POLICIES[policy].runs_on(conditions, sequential):
-        accepted = tuple(name for name, cls in POLICIES.items() if cls.runs_on(conditions, sequential))
-        raise UsageError(
-            f"--kv-cache-policy {policy} cannot be combined with {flag(given[0])}: the pipeline it picks cannot run "
-            f"that policy ({POLICIES[policy].title}); accepted with it: {', '.join(accepted)}."
-        )
+    if policy in POLICIES:
+        try:
+            POLICIES[policy].check_runs_on(_pipeline_name(given), conditions, sequential)
+        except ValueError as error:
+            raise UsageError(f"{error} (the pipeline of {flag(given[0])})") from None
     stored = stored_rollout_settings(args)
     if stored is None:
         return None

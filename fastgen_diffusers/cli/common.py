@@ -5,9 +5,20 @@ model loads. Imports neither torch nor the pipelines.
 
 from __future__ import annotations
 
+import argparse
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from ..settings import (
+    KEY_POSITIONS,
+    KV_CACHE_DTYPE_NAMES,
+    RECACHE_SINKS,
+    SINK_UPDATES,
+    RolloutSettings,
+    policy_names,
+)
 
 TEMPORAL_FACTOR = 4  # Wan VAEs: 4k+1 pixel frames encode to k+1 latent frames
 # The chunk layout of the built-in tiny random models (fastgen_diffusers.testing; tests/test_cli.py keeps them equal):
@@ -19,28 +30,53 @@ TINY_I2V_LAYOUT = {**TINY_LAYOUT, "independent_first_frame": True}
 LAYOUT_DEFAULTS = {"chunk_size": 3, "independent_first_frame": False, "rope_max_seq_len": 1024}
 
 
-# `generate`'s flags that set a settings value (fastgen_diffusers.settings): flag dest -> the settings argument (the
-# pipelines' keyword argument) it sets. Each flag's help is the value's own documentation; a flag left out is None,
-# so the model's stored value (or the default) stands; the pre-load checks build the same RolloutSettings.
-SETTINGS_FLAGS = {
-    "steps": "num_inference_steps",
-    "guidance_scale": "guidance_scale",
-    "attention_window": "attention_window",
-    "sink_frames": "sink_frames",
-    "kv_cache_policy": "kv_cache_policy",
-    "context_frames": "context_frames",
-    "keep_first_frame": "keep_first_frame",
-    "kv_cache_attention_bias": "kv_cache_attention_bias",
-    "rope_positions": "rope_positions",
-    "sink_update": "sink_update",
-    "sink_decay": "sink_decay",
-    "kv_cache_dtype": "kv_cache_dtype",
-    "prompt_transition_chunks": "prompt_transition_chunks",
-    "recache": "recache",
-    "recache_sink": "recache_sink",
-    "kv_flush": "kv_flush",
-    "rope_cut": "rope_cut",
+# The flags that set a settings value (fastgen_diffusers.settings): flag dest -> (the settings argument, the pipelines'
+# keyword argument it sets; argparse options). Each flag's help is the value's own documentation and its default None
+# (left out: the model's stored value, or the format's, stands); `generate` takes them all, `convert` those it stores.
+# A new setting is one line here.
+SETTINGS_ARGUMENTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "steps": ("num_inference_steps", {"type": int}),
+    "timesteps": ("timesteps", {"type": float, "nargs": "+", "metavar": "T"}),
+    "first_chunk_timesteps": ("first_chunk_timesteps", {"type": float, "nargs": "+", "metavar": "T"}),
+    "guidance_scale": ("guidance_scale", {"type": float}),
+    "context_noise": ("context_noise", {"type": float}),
+    "attention_window": ("attention_window", {"type": int}),
+    "sink_frames": ("sink_frames", {"type": int}),
+    "kv_cache_policy": ("kv_cache_policy", {"choices": policy_names()}),
+    "context_frames": ("context_frames", {"type": int}),
+    "keep_first_frame": ("keep_first_frame", {"action": "store_true"}),
+    "kv_cache_attention_bias": ("kv_cache_attention_bias", {"type": float}),
+    "rope_positions": ("rope_positions", {"choices": tuple(KEY_POSITIONS)}),
+    "sink_update": ("sink_update", {"choices": SINK_UPDATES}),
+    "sink_decay": ("sink_decay", {"type": float}),
+    "kv_cache_dtype": ("kv_cache_dtype", {"choices": KV_CACHE_DTYPE_NAMES}),
+    "prompt_transition_chunks": ("prompt_transition_chunks", {"type": int}),
+    "recache": ("recache", {"action": "store_true"}),
+    "recache_sink": ("recache_sink", {"choices": RECACHE_SINKS}),
+    "kv_flush": ("kv_flush", {"action": "store_true"}),
+    "rope_cut": ("rope_cut", {"action": "rope_cut", "nargs": "*", "type": int, "metavar": "FRAME"}),
 }
+SETTINGS_FLAGS = {dest: name for dest, (name, _) in SETTINGS_ARGUMENTS.items()}
+
+
+class _RopeCutAction(argparse.Action):
+    """``--rope-cut``: ``True`` (a cut at every prompt switch), or the switch frames given after it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, tuple(values) if values else True)
+
+
+def add_settings_arguments(group: Any, dests: Iterable[str] | None = None) -> None:
+    """Add the settings flags ``dests`` (default: all of :data:`SETTINGS_ARGUMENTS`) to an argparse parser or group,
+    each with the documentation of the settings value it sets as its help ([`RolloutSettings.help_of`], so help and
+    behaviour cannot disagree) and ``None`` as its default."""
+    for dest in SETTINGS_ARGUMENTS if dests is None else dests:
+        name, options = SETTINGS_ARGUMENTS[dest]
+        options = dict(options)
+        if options.get("action") == "rope_cut":
+            options["action"] = _RopeCutAction
+        help_text = RolloutSettings.help_of(name).replace("%", "%%")
+        group.add_argument(flag(dest), dest=dest, default=None, help=help_text, **options)
 
 
 class UsageError(ValueError):

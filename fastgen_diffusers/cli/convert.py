@@ -8,8 +8,9 @@ until the command runs.
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
-from ..settings import KEY_POSITIONS, SINK_UPDATES, RolloutSettings, policy_names
+from .common import SETTINGS_FLAGS, add_settings_arguments
 
 __all__ = ["add_convert_subparser", "run_convert"]
 
@@ -31,10 +32,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _settings_argument(group, name: str, **kwargs) -> None:
-    """Add the settings flag ``--<name>``, its help the value's documentation ([`RolloutSettings.help_of`])."""
-    help_text = RolloutSettings.help_of(name).replace("%", "%%")
-    group.add_argument("--" + name.replace("_", "-"), default=None, help=help_text, **kwargs)
+def stored_settings_flags() -> tuple[str, ...]:
+    """The settings flags ``convert`` takes: those whose setting a converted model stores
+    ([`StudentSettings`])."""
+    from ..convert.formats import StudentSettings
+
+    stored = {f.name for f in fields(StudentSettings)}
+    return tuple(dest for dest, name in SETTINGS_FLAGS.items() if name in stored)
 
 
 def _formats_epilog() -> str:
@@ -100,30 +104,20 @@ def add_convert_subparser(subparsers: argparse._SubParsersAction) -> argparse.Ar
         "a setting the converted model could not sample is refused before anything is written.",
     )
     sampling.add_argument("--chunk-size", type=_positive_int, default=None, help="latent frames per causal chunk")
-    _settings_argument(sampling, "timesteps", type=float, nargs="+")
-    _settings_argument(sampling, "first_chunk_timesteps", type=float, nargs="+")
-    sampling.add_argument(
-        "--warp-shift",
-        type=float,
-        default=None,
-        help="treat the timesteps as Self-Forcing denoising_step_list indices and warp them with this shift",
-    )
-    sampling.add_argument("--shift", type=float, default=None, help="flow-matching shift")
-    _settings_argument(sampling, "context_noise", type=float)
     sampling.add_argument(
         "--independent-first-frame",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="the first latent frame is a chunk of its own",
     )
-    _settings_argument(sampling, "attention_window", type=_positive_int)
-    _settings_argument(sampling, "sink_frames", type=_non_negative_int)
-    _settings_argument(sampling, "kv_cache_policy", choices=policy_names())
-    _settings_argument(sampling, "context_frames", type=_positive_int)
-    _settings_argument(sampling, "kv_cache_attention_bias", type=float)
-    _settings_argument(sampling, "rope_positions", choices=tuple(KEY_POSITIONS))
-    _settings_argument(sampling, "sink_update", choices=SINK_UPDATES)
-    _settings_argument(sampling, "sink_decay", type=float)
+    sampling.add_argument("--shift", type=float, default=None, help="flow-matching shift")
+    sampling.add_argument(
+        "--warp-shift",
+        type=float,
+        default=None,
+        help="treat the timesteps as Self-Forcing denoising_step_list indices and warp them with this shift",
+    )
+    add_settings_arguments(sampling, stored_settings_flags())
     parser.add_argument(
         "--allow-non-finite", action="store_true", help="convert weights holding NaN/Inf instead of refusing them"
     )
@@ -149,6 +143,9 @@ def run_convert(args: argparse.Namespace) -> int:
 
     from ..convert import CheckpointConversionError, convert_checkpoint
 
+    settings = {SETTINGS_FLAGS[dest]: getattr(args, dest) for dest in stored_settings_flags()}
+    settings.update(timesteps=timesteps, first_chunk_timesteps=first_chunk)  # warped by --warp-shift
+
     try:
         result = convert_checkpoint(
             args.checkpoint,
@@ -158,25 +155,15 @@ def run_convert(args: argparse.Namespace) -> int:
             ema=args.ema_key if args.ema_key is not None else args.ema,
             dtype=args.dtype,
             chunk_size=args.chunk_size,
-            timesteps=timesteps,
             shift=shift,
-            context_noise=args.context_noise,
             independent_first_frame=args.independent_first_frame,
-            first_chunk_timesteps=first_chunk,
-            attention_window=args.attention_window,
-            sink_frames=args.sink_frames,
-            kv_cache_policy=args.kv_cache_policy,
-            context_frames=args.context_frames,
-            kv_cache_attention_bias=args.kv_cache_attention_bias,
-            rope_positions=args.rope_positions,
-            sink_update=args.sink_update,
-            sink_decay=args.sink_decay,
             base_model_id=args.base_model_id,
             lora=args.lora,
             lora_alpha=args.lora_alpha,
             keep_lora=args.keep_lora,
             allow_non_finite=args.allow_non_finite,
             max_shard_size=args.max_shard_size,
+            **settings,
         )
     except (CheckpointConversionError, OSError, ValueError) as error:
         raise SystemExit(f"error: {' '.join(str(error).split()) or type(error).__name__}") from None

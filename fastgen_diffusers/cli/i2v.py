@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checks import read_media
-from .common import TEMPORAL_FACTOR, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -51,20 +50,10 @@ def load_i2v_pipeline(args: argparse.Namespace, dtype: torch.dtype):
 
 def conditioning_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``{"image": PIL image}`` or ``{"video": [PIL images]}`` read from ``--image`` / ``--video``; ``{}`` if neither.
-    Runs before the model loads: an unreadable file, or a clip that is not 4k+1 frames or leaves nothing to generate
-    within ``--num-frames``, is a :class:`UsageError` naming the option."""
+    Runs before the model loads: an unreadable file is a :class:`UsageError` naming the option (whether a clip fills
+    whole chunks and leaves some to generate is checked with the rollout's chunks: ``cli.layout``)."""
     if getattr(args, "image", None) is not None:
         return {"image": read_media("image", args.image, "image")}
     if getattr(args, "video", None) is None:
         return {}
-    clip = read_media("video", args.video, "video")
-    if len(clip) % TEMPORAL_FACTOR != 1:
-        raise UsageError(
-            f"--video {args.video}: has {len(clip)} frames; a clip to extend must have 4k+1 (1, 5, 9, ...) frames."
-        )
-    if len(clip) >= args.num_frames:
-        raise UsageError(
-            f"--video {args.video}: its {len(clip)} frames leave nothing to generate within --num-frames "
-            f"{args.num_frames}; ask for more frames."
-        )
-    return {"video": clip}
+    return {"video": read_media("video", args.video, "video")}

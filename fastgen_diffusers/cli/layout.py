@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import TEMPORAL_FACTOR, UsageError, latent_frames, stored_settings, transformer_layout
+from .common import UsageError, flag, latent_frames, stored_settings, transformer_layout
 from .i2v import wants_i2v
 from .v2v import wants_v2v
 
@@ -44,32 +44,24 @@ def check_rollout_layout(args: argparse.Namespace, given_frames: int | None = No
     settings = generate_settings(args)
     if settings is None or layout is None or args.num_frames is None:
         return
-    bounds = rollout_bounds(latent_frames(args.num_frames), layout, whole_chunks=wants_v2v(args))
+    # VACE's reference images are latent frames of their own before the video's frame 0
+    references = len(getattr(args, "reference_image", None) or ())
+    num_latent = latent_frames(args.num_frames) + references
+    bounds = rollout_bounds(num_latent, layout, whole_chunks=wants_v2v(args))
     try:
-        settings.check_chunks(bounds, layout["chunk_size"], rope_table=layout["rope_max_seq_len"])
+        settings.check_chunks(
+            bounds, layout["chunk_size"], rope_table=layout["rope_max_seq_len"], leading_frames=references
+        )
     except ValueError as error:
         raise UsageError(str(error)) from None
     stored = stored_settings(args.model) or {}
     if given_frames is not None and layout["t2v_student"] and not stored.get("expand_timesteps"):
-        check_given_chunks(args, given_frames, bounds, layout)
+        from ..chunking import check_given_frames
 
-
-def check_given_chunks(args: argparse.Namespace, frames: int, bounds: list[tuple[int, int]], layout: dict) -> None:
-    """A T2V student takes ``--image`` / ``--video`` as whole chunks: their latent frames must end a chunk (the
-    image-to-video pipeline's rule and message)."""
-    ends = [end for _, end in bounds]
-    if latent_frames(frames) in ends:
-        return
-    name = "--image" if args.image is not None else "--video"
-    fits = [(end - 1) * TEMPORAL_FACTOR + 1 for end in ends[:-1]]
-    hint = (
-        " A single image is a chunk of its own only for a student trained with independent_first_frame=True; "
-        "otherwise extend a --video clip."
-        if frames == 1
-        else ""
-    )
-    raise UsageError(
-        f"{name} encodes to {latent_frames(frames)} latent frames, which do not fill whole chunks of this rollout "
-        f"(chunks end at latent frames {ends}; chunk_size={layout['chunk_size']}, independent_first_frame="
-        f"{layout['independent_first_frame']}). Accepted clip lengths: {fits} frames.{hint}"
-    )
+        name = "image" if getattr(args, "image", None) is not None else "video"
+        try:  # the image-to-video pipeline's rule: the given frames fill whole chunks of a T2V student
+            check_given_frames(
+                name, given_frames, args.num_frames, bounds, layout["chunk_size"], layout["independent_first_frame"]
+            )
+        except ValueError as error:
+            raise UsageError(f"{error} ({flag(name)} {getattr(args, name)})") from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..settings import RolloutSettings, SamplingSettings
 from .checks import UsageError
 
 SERVE_MODULES = ("fastapi", "uvicorn")
@@ -29,7 +30,7 @@ def add_serve_subparser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="model dtype of --model")
     parser.add_argument(
-        "--steps", type=int, help="default denoising steps per chunk (default: the model's stored schedule, else 4)"
+        "--steps", type=int, help=RolloutSettings.help_of("num_inference_steps") + " A session may ask for others."
     )
     parser.add_argument(
         "--cache-budget-gb",
@@ -39,7 +40,14 @@ def add_serve_subparser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--max-sessions", type=int, default=4, help="sessions served at once (default: 4)")
     parser.add_argument(
-        "--max-frames", type=int, default=481, help="frames of an endless stream and the most a session may ask"
+        "--max-frames", type=int, default=481, help="the most frames a session may ask for (default: 481)"
+    )
+    parser.add_argument(
+        "--endless-window",
+        type=int,
+        default=21,
+        help="latent frames of the sliding attention window an endless stream (num_frames: null) gets when its "
+        "settings leave the KV cache unbounded (default: 21); 0: refuse such a stream",
     )
     parser.add_argument(
         "--allow-origin", action="append", default=[], help="another page origin allowed to open sessions (repeatable)"
@@ -52,12 +60,17 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
     """Refuse a bad command line before anything loads."""
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in [1, 65535], got {args.port}.")
-    if args.steps is not None and args.steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {args.steps}.")
+    try:  # the settings' own check of the step count
+        SamplingSettings(num_inference_steps=args.steps)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     if args.max_sessions < 1:
         raise UsageError(f"--max-sessions must be >= 1, got {args.max_sessions}.")
     if args.max_frames < 1:
         raise UsageError(f"--max-frames must be >= 1, got {args.max_frames}.")
+    if args.endless_window < 0:
+        raise UsageError(f"--endless-window must be >= 0 (0: refuse an endless stream with an unbounded cache), got "
+                         f"{args.endless_window}.")  # fmt: skip
     if args.cache_budget_gb is not None and args.cache_budget_gb <= 0:
         raise UsageError(f"--cache-budget-gb must be > 0, got {args.cache_budget_gb}.")
     if args.token is not None and not args.token:
@@ -80,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(
         model=args.model, host=args.host, port=args.port, token=args.token, device=args.device, dtype=args.dtype,
         cache_budget_gb=args.cache_budget_gb, max_sessions=args.max_sessions, max_frames=args.max_frames,
-        steps=args.steps, allowed_origins=tuple(args.allow_origin),
+        steps=args.steps, allowed_origins=tuple(args.allow_origin), endless_window=args.endless_window or None,
     )  # fmt: skip
     if args.model is None:
         print("No --model given: serving the built-in tiny model with RANDOM weights (the video is noise).")

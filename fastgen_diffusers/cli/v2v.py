@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checks import CONDITIONED_INPUTS, SIZE_MULTIPLE, read_media
-from .common import TEMPORAL_FACTOR, UsageError, read_model_json
+from .common import TEMPORAL_FACTOR, UsageError, transformer_layout
 
 if TYPE_CHECKING:
     import torch
 
 DEFAULT_STRENGTH = 0.7
-TINY_CHUNK_LAYOUT = {"chunk_size": 3, "independent_first_frame": False}  # fastgen_diffusers.testing's tiny student
 # `--input-video` restyles a video: these flags condition generation another way and are refused with it.
 OTHER_INPUTS = CONDITIONED_INPUTS
 
@@ -85,15 +84,14 @@ def check_input_video_arguments(args: argparse.Namespace) -> None:
 
 def first_chunk_frames(model: str | None) -> int | None:
     """Pixel frames of the first chunk of ``--model``'s student (``1 + 4(n - 1)``, ``n`` its first chunk's latent
-    frames), read from its ``transformer/config.json`` (a local directory or the Hugging Face cache); the built-in
-    tiny model's without ``--model``; ``None`` when the config is not at hand (the pipeline checks it then)."""
-    config = TINY_CHUNK_LAYOUT if model is None else read_model_json(model, "transformer/config.json")
-    if config is None:
+    frames), from its transformer's chunking (``cli.common.transformer_layout``: its ``transformer/config.json``, or
+    the built-in tiny model's); ``None`` when that is not at hand (the pipeline checks it then)."""
+    layout = transformer_layout(model)
+    if layout is None:
         return None
-    chunk_size = config.get("chunk_size", 3)
-    if config.get("independent_first_frame", False):
+    if layout["independent_first_frame"]:
         return 1
-    return 1 + TEMPORAL_FACTOR * (chunk_size - 1) if isinstance(chunk_size, int) and chunk_size >= 1 else None
+    return 1 + TEMPORAL_FACTOR * (layout["chunk_size"] - 1)
 
 
 def input_video_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -34,43 +34,16 @@ growth happens a logarithmic number of times in a rollout; pass ``max_frames`` t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .accounting import expected_self_cache_bytes
 from .base import BaseKVCacheEngine
+from .plan import SlotPlan
 from .storage import SlotCopy, SlotStorage
 from .tags import TagState
-from .window import AttentionWindow
 
 StaticSelfEntry = SlotStorage  # the storage of one block and tag (its former name)
+StaticCall = SlotPlan  # the in-place plan of a call (its former name)
 __all__ = ["SlotCopy", "StaticCall", "StaticKVCacheEngine", "StaticSelfEntry"]
-
-
-@dataclass(eq=False)
-class StaticCall:
-    """Where one call's K/V go in the fixed buffers and which slots it attends to (see
-    :meth:`StaticKVCacheEngine.static_call`).
-
-    Attributes:
-        write_index: ``(F*S,)`` int64 buffer token index of every token of the call, in frame order.
-        valid_length: ``(V, 0)`` empty tensor whose first size is the number of buffer slots (tokens) the call attends
-            to, the buffer's first ones. A shape, not a Python int: ``torch.compile`` sees it as a dynamic size
-            (marked so), so one graph serves every chunk and every window position with no recompile, and attention
-            reads exactly the valid slots (no work on masked keys).
-        slot_frames: the latent frame each of those valid slots holds once the call's K/V are written, slot by slot
-            (frame order until a window's ring wraps, then the sink followed by the ring's order): what attention
-            reads, for a per-key attention bias.
-    """
-
-    write_index: torch.Tensor
-    valid_length: torch.Tensor
-    slot_frames: tuple[int, ...] = ()
-
-    @property
-    def valid_tokens(self) -> int:
-        return self.valid_length.shape[0]
 
 
 class StaticKVCacheEngine(BaseKVCacheEngine):
@@ -116,7 +89,6 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         if max_frames is not None and max_frames < 1:
             raise ValueError(f"`max_frames` must be None or a positive int, got {max_frames}.")
         self.max_frames = max_frames
-        self._last_static_call: tuple[tuple, StaticCall] | None = None
 
     # ------------------------------------------------------------------ capacity
     def _capacity_for(self, frames: int) -> int:
@@ -132,102 +104,3 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         needed = self._capacity_for(max_frames)
         for per_tag in self._self_kv:
             per_tag[cache_tag].reserve(needed, most=self.window.frames)
-
-    # ------------------------------------------------------------------ attention
-    def _key_frames(self, cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window=None):
-        """On the in-place path (:meth:`static_call`) the keys are the buffer's first slots, in slot order: the sink,
-        then the ring, whose order is not frame order once the window has wrapped."""
-        if not in_place:
-            return super()._key_frames(
-                cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window
-            )
-        return list(self._slot_frames(start_frame + num_frames))
-
-    # ------------------------------------------------------------------ fixed-shape attention (compiled rollouts)
-    def static_call(
-        self,
-        cache_tag: str,
-        start_frame: int,
-        num_frames: int,
-        first_chunk_frames: int,
-        attention_window: AttentionWindow | None = None,
-    ) -> StaticCall | None:
-        """The fixed-buffer plan of a call, shared by every block of the branch; ``None`` for a call it cannot serve
-        (not at the end of the cache, several chunks, gradients on, a windowed recache, a call under its own
-        ``attention_window``, whose frames are not the buffers' holding window, or an 8-bit cache, whose buffers
-        attention cannot read in place): that call gathers its prefix instead.
-
-        The call's K/V are written at :attr:`StaticCall.write_index` into :meth:`static_buffers` (by the attention
-        processor) and attention reads the buffers' valid slots. Slots that hold frames the open transaction must be
-        able to restore are kept first, as :meth:`_write` does. Built once per chunk (every step of a chunk and its
-        store share it).
-        """
-        state = self._tags.get(cache_tag)
-        if state is None or start_frame != state.num_frames or first_chunk_frames != num_frames:
-            return None
-        # a windowed recache attends to the held frames only, a per-call window to its own frames, not the buffers'
-        if state.recaching or attention_window is not None or self.kv_cache_dtype is not None:
-            return None
-        if torch.is_grad_enabled():
-            return None
-        if state.flushed_before > self.window.visible(start_frame, num_frames)[1]:
-            return None  # a KV flush dropped frames the window would show: gather the held ones
-        seqlen = state.frame_seqlen
-        end_frame = start_frame + num_frames
-        runs = self._slot_runs(start_frame, end_frame)
-        for per_tag in self._self_kv:
-            entry = per_tag[cache_tag]
-            for _, slot, count in runs:
-                self._keep_for_undo(entry, slot, slot + count, seqlen)
-        capacity = self._self_kv[0][cache_tag].num_slots * seqlen if self._self_kv else 0
-        key = (start_frame, num_frames, seqlen, capacity, state.device, state.dtype)
-        if self._last_static_call is not None and self._last_static_call[0] == key:
-            return self._last_static_call[1]
-        write_index = torch.cat(
-            [torch.arange(slot * seqlen, (slot + count) * seqlen, device=state.device) for _, slot, count in runs]
-        )
-        valid_length = torch.empty(self.window.slots(end_frame) * seqlen, 0, device=state.device)
-        torch._dynamo.maybe_mark_dynamic(valid_length, 0)
-        call = StaticCall(write_index, valid_length, self._slot_frames(end_frame))
-        self._last_static_call = (key, call)
-        return call
-
-    def _slot_frames(self, end_frame: int) -> tuple[int, ...]:
-        """The frame each of the first ``window.slots(end_frame)`` slots holds once frames ``[0, end_frame)`` have
-        been written (the sink and the most recent frames under a window)."""
-        window = self.window
-        if window.all_seen_until(end_frame):
-            return tuple(range(end_frame))
-        frames = [0] * window.frames
-        for first, last in ((0, window.sink), (end_frame - window.room, end_frame)):
-            for frame, slot, count in self._slot_runs(first, last):
-                frames[slot : slot + count] = range(frame, frame + count)
-        return tuple(frames)
-
-    def static_buffers(self, block_idx: int, cache_tag: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fixed-size K/V buffers ``(B, capacity * S, H, D)`` of one block and tag (not for an 8-bit cache)."""
-        view = self._self_kv[block_idx][cache_tag].view()
-        if view is None:
-            raise RuntimeError("An 8-bit KV cache has no compute-dtype buffers to attend to in place.")
-        return view
-
-    def commit_static_store(self, cache_tag: str, start_frame: int, num_frames: int) -> None:
-        """Record a store whose K/V the attention of a :meth:`static_call` already wrote into their slots."""
-        self._store_window(self._tags[cache_tag], start_frame, start_frame + num_frames)
-
-    # ------------------------------------------------------------------ memory
-    def self_cache_bytes(self, cache_tag: str | None = None) -> int:
-        """Bytes of the K/V held: the cache formula over :meth:`held_frames` in the storage dtype, plus the scales
-        of an 8-bit cache (never the allocated capacity, which :meth:`allocated_self_cache_bytes` reports)."""
-        return self.self_cache_scale_bytes(cache_tag) + sum(
-            expected_self_cache_bytes(
-                self.num_blocks,
-                state.batch_size,
-                state.num_heads,
-                self.held_frames(tag) * state.frame_seqlen,
-                state.head_dim,
-                self._storage_dtype(state),
-            )
-            for tag, state in self._tags.items()
-            if cache_tag is None or tag == cache_tag
-        )

@@ -43,6 +43,7 @@ from diffusers.utils.torch_utils import get_module_execution_device
 from transformers import AutoTokenizer, CLIPVisionModel, UMT5EncoderModel
 from transformers.image_processing_utils import BaseImageProcessor
 
+from ..chunking import check_given_frames
 from ..models import AutoencoderTinyWan, WanCausalTransformer3DModel
 from ..settings import RolloutSettings
 from .pipeline_wan_causal import WanCausalPipeline
@@ -377,36 +378,17 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             return
         name = "image" if video is None else "video"
         num_pixel_frames = 1 if video is None else clip_layout(video, "video")[0]
-        temporal = self.vae_scale_factor_temporal
-        if num_pixel_frames % temporal != 1:
-            raise ValueError(
-                f"`{name}` has {num_pixel_frames} frames; a clip must have {temporal}k+1 frames (1, {temporal + 1}, "
-                f"{2 * temporal + 1}, ...) to encode to whole latent frames."
-            )
-        num_context = (num_pixel_frames - 1) // temporal + 1
-        num_latent_frames = (num_frames - 1) // temporal + 1
-        if num_context >= num_latent_frames:
-            raise ValueError(
-                f"`num_frames={num_frames}` leaves nothing to generate after the {num_pixel_frames} given frames of "
-                f"`{name}`: ask for more than {num_pixel_frames} frames."
-            )
-        ends = [end for _, end in self.rollout_chunk_bounds(num_latent_frames, chunk_size)]
-        if num_context not in ends:
-            config = self.transformer.config
-            fits = [(end - 1) * temporal + 1 for end in ends[:-1]]
-            hint = (
-                " A single image is a chunk of its own only with `independent_first_frame=True` (for a student "
-                "trained that way: `WanCausalTransformer3DModel.from_pretrained(path, subfolder='transformer', "
-                "independent_first_frame=True)`); otherwise extend a `video` clip."
-                if num_pixel_frames == 1
-                else ""
-            )
-            raise ValueError(
-                f"`{name}` encodes to {num_context} latent frames, which do not fill whole chunks of this rollout "
-                f"(chunks end at latent frames {ends}; chunk_size={chunk_size or config.chunk_size}, "
-                f"independent_first_frame={config.independent_first_frame}). Accepted clip lengths: {fits} frames."
-                + hint
-            )
+        num_latent_frames = (num_frames - 1) // self.vae_scale_factor_temporal + 1
+        config = self.transformer.config
+        check_given_frames(
+            name,
+            num_pixel_frames,
+            num_frames,
+            self.rollout_chunk_bounds(num_latent_frames, chunk_size),
+            chunk_size or config.chunk_size,
+            config.independent_first_frame,
+            self.vae_scale_factor_temporal,
+        )
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()

@@ -234,7 +234,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             schedule=schedule,
             first_schedule=first_schedule,
             attention_kwargs=options.attention_kwargs,
-            keep_history=history_to_keep(False, options.recache and bool(switches)),
+            keep_history=history_to_keep(False, options.recache),  # a live switch may come (`run.switch_prompt`)
             prompt_transition_chunks=options.prompt_transition_chunks,
             kv_cache_attention_bias=options.kv_cache_attention_bias,
             switch_rule=self.prompt_switch_rule(options, bounds),

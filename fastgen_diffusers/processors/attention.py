@@ -36,58 +36,60 @@ logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 class SelfAttentionInputs:
     """What one block's self-attention attends to besides this call's K/V, decided before the block runs.
 
-    Two layouts:
+    ``cache``: the engine's view of the block's cache for this call
+    (:meth:`~fastgen_diffusers.kv_cache.BaseKVCacheEngine.cache_view`). The processor hands it the call's K/V and
+    attends to the keys and values it returns (:meth:`~fastgen_diffusers.kv_cache.plan.SlotView.attend`), whatever
+    the storage: the storage's own buffers read in place (the call's K/V written into their slots, the first valid
+    slots read, a size ``torch.compile`` treats as dynamic), or ``[gathered prefix | call]``, the prefix gathered
+    right before the block runs ([`load`]) and dropped after it ([`release`]). A view that stores hands the call's
+    K/V back for the engine to store once the blocks have run.
 
-    * ``static=True`` (static engine, a call at the end of its cache, no gradients): ``key_cache``/``value_cache``
-      are the engine's fixed-size buffers ``(B, C, H, D)``. The call's K/V are written in place at ``write_index``
-      ``(L,)`` (their slots); attention then runs over the buffer's first ``V`` tokens, a view with nothing masked
-      (an attention bias aside, see below), where ``V`` is the first size of ``valid_length`` ``(V, 0)``: a tensor
-      shape that ``torch.compile`` treats as dynamic, so every chunk of a rollout and of a windowed stream reuses one
-      graph and attention does no work on slots that hold nothing yet.
-    * ``static=False``: ``key_cache``/``value_cache`` are the visible cached prefix ``(B, P, H, D)`` in frame order
-      (``None``: nothing visible); attention runs over ``[prefix | call]`` under ``mask`` (a block-causal mask for a
-      multi-chunk call, else ``None``). With ``store=True`` the call's K/V are handed back in ``new_key``/``new_value``
-      for the model to store once the blocks have run. The prefix is gathered by ``load_prefix`` right before the
-      block runs ([`load`]) and dropped after it ([`release`]), so that a forward holds one block's gathered copy at a
-      time, not a copy of the whole cache.
+    ``mask``: a boolean or additive float ``(1, 1, Lq or 1, Lk)`` tensor for SDPA, or a FlexAttention ``BlockMask``,
+    over all the keys attended in the order the view returns them. ``bias``: an :class:`AttentionBias` the processor
+    adds to the scaled logits in a FlexAttention ``score_mod`` (with ``mask`` as the ``BlockMask`` when there is one).
+    The model decides both (which keys, which values); the processor adds what it is given. Both ``None``: no mask.
 
-    ``mask`` (either layout; the static one only for a bias): a boolean or additive float ``(1, 1, Lq or 1, Lk)``
-    tensor for SDPA, or a FlexAttention ``BlockMask``, over all the keys attended in the order they are read.
-    ``bias``: an :class:`AttentionBias` the processor adds to the scaled logits in a FlexAttention ``score_mod``
-    (with ``mask`` as the ``BlockMask`` when there is one). The model decides both (which keys, which values); the
-    processor adds what it is given. Both ``None``: no mask at all.
+    ``key_rotary``: ``None`` (keys are held after RoPE: this call's keys are rotated like its queries, by the block's
+    ``rotary_emb``, before they are attended or stored), or ``(1, Lk, 1, D/2, 2)`` float32 rotations of every key the
+    view can return, for keys held **before** RoPE (its first ``Lk`` rows are used). The cached keys and this call's
+    keys are then rotated at read time and stored un-rotated; the queries keep the block's ``rotary_emb``.
 
-    ``key_rotary`` (either layout): ``None`` (keys are held after RoPE: this call's keys are rotated like its queries,
-    by the block's ``rotary_emb``, before they are attended or stored), or the rotations of every key attended, for
-    keys held **before** RoPE: ``(1, Lk, 1, D/2, 2)`` float32 over ``[prefix | call]``, or ``(1, C, 1, D/2, 2)`` over
-    the static buffers' slots (the first ``V`` are read). The cached keys and this call's keys are then rotated at
-    read time and stored / written un-rotated; the queries keep the block's ``rotary_emb``.
+    ``static``, ``key_cache``, ``value_cache``, ``write_index`` and ``valid_length`` are read-only views of ``cache``
+    kept for external code.
     """
 
-    key_cache: torch.Tensor | None = None
-    value_cache: torch.Tensor | None = None
-    static: bool = False
-    write_index: torch.Tensor | None = None
-    valid_length: torch.Tensor | None = None
+    cache: Any = None
     mask: Any = None
-    store: bool = False
-    new_key: torch.Tensor | None = None
-    new_value: torch.Tensor | None = None
-    load_prefix: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None
     bias: AttentionBias | None = None
     key_rotary: torch.Tensor | None = None
 
-    @torch._dynamo.disable
     def load(self) -> None:
-        """Gather the visible prefix into ``key_cache``/``value_cache`` (Python over the engine runs, never traced)."""
-        if self.load_prefix is not None:
-            prefix = self.load_prefix()
-            self.key_cache, self.value_cache = (None, None) if prefix is None else prefix
+        """Gather what the cache view reads (a prefix; nothing for a storage read in place)."""
+        self.cache.load()
 
     def release(self) -> None:
-        """Drop the gathered prefix once the block has run (kept while gradients may run the block again)."""
-        if self.load_prefix is not None and not torch.is_grad_enabled():
-            self.key_cache = self.value_cache = None
+        """Drop what :meth:`load` gathered once the block has run."""
+        self.cache.release()
+
+    @property
+    def static(self) -> bool:
+        return getattr(self.cache, "write_index", None) is not None
+
+    @property
+    def key_cache(self) -> torch.Tensor | None:
+        return self.cache.key
+
+    @property
+    def value_cache(self) -> torch.Tensor | None:
+        return self.cache.value
+
+    @property
+    def write_index(self) -> torch.Tensor | None:
+        return getattr(self.cache, "write_index", None)
+
+    @property
+    def valid_length(self) -> torch.Tensor | None:
+        return getattr(self.cache, "valid_length", None)
 
 
 @dataclass(eq=False)
@@ -255,22 +257,14 @@ class WanCausalAttnProcessor:
         if inputs.key_rotary is None:  # keys held after RoPE; else un-rotated, rotated where attended
             key = apply_rotary_emb(key, rotary_emb)
 
-        if inputs.static:
-            hidden_states = self._static_attention(query, key, value, inputs)
+        full_key, full_value = inputs.cache.attend(key, value)
+        if inputs.key_rotary is not None:  # keys held before RoPE: rotate every key read
+            full_key = apply_rotary_emb(full_key, inputs.key_rotary[:, : full_key.shape[1]])
+        if inputs.mask is None and inputs.bias is None:
+            hidden_states = dispatch_attention_fn(query, full_key, full_value, backend=self._attention_backend)
         else:
-            full_key, full_value = key, value
-            if inputs.key_cache is not None:
-                full_key = torch.cat([inputs.key_cache, key], dim=1)
-                full_value = torch.cat([inputs.value_cache, value], dim=1)
-            if inputs.key_rotary is not None:
-                full_key = apply_rotary_emb(full_key, inputs.key_rotary)
-            if inputs.mask is None and inputs.bias is None:
-                hidden_states = dispatch_attention_fn(query, full_key, full_value, backend=self._attention_backend)
-            else:
-                hidden_states = masked_attention(query, full_key, full_value, inputs.mask, inputs.bias)
-            if inputs.store:
-                # Contiguous: with fused projections `value` is a view that would keep the whole QKV output alive.
-                inputs.new_key, inputs.new_value = key.detach().contiguous(), value.detach().contiguous()
+            full_key, full_value = full_key.to(query.dtype), full_value.to(query.dtype)
+            hidden_states = masked_attention(query, full_key, full_value, inputs.mask, inputs.bias)
         if cp_config is not None:
             hidden_states = heads_to_sequence(hidden_states, block_inputs.num_frames, cp_config)
 
@@ -282,8 +276,9 @@ class WanCausalAttnProcessor:
         self, attn, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, *, causal_context: CausalBlockView
     ) -> None:
         """The K/V half of :meth:`__call__`, for a forward whose attention output nothing reads (the last block of a
-        store-only forward): project, normalize and rotate this call's K/V and store them exactly as ``__call__``
-        would (written into their static slots, or handed back for the model to store); no query, no attention."""
+        store-only forward): this call's K/V, projected, normalized and rotated as ``__call__`` does, handed to the
+        cache view as ``__call__`` hands them (written into their slots, or handed back to be stored); no query, no
+        prefix gathered, no attention."""
         block_inputs = _block_inputs(causal_context, attn, self)
         inputs = block_inputs.self_attn
         if attn.fused_projections:
@@ -294,31 +289,10 @@ class WanCausalAttnProcessor:
         value = value.unflatten(2, (attn.heads, -1))
         cp_config = context_parallel_config(self)
         if cp_config is not None:
-            num_frames = block_inputs.num_frames
-            key, value = (sequence_to_heads(t, num_frames, cp_config) for t in (key, value))
+            key, value = (sequence_to_heads(t, block_inputs.num_frames, cp_config) for t in (key, value))
         if inputs.key_rotary is None:
             key = apply_rotary_emb(key, rotary_emb)
-        if inputs.static:
-            inputs.key_cache.index_copy_(1, inputs.write_index, key.to(inputs.key_cache.dtype))
-            inputs.value_cache.index_copy_(1, inputs.write_index, value.to(inputs.value_cache.dtype))
-        elif inputs.store:
-            inputs.new_key, inputs.new_value = key.detach().contiguous(), value.detach().contiguous()
-
-    def _static_attention(self, query, key, value, inputs: SelfAttentionInputs) -> torch.Tensor:
-        """Write this call's K/V into their slots of the fixed buffers, then attend to the valid slots (a view of the
-        buffers' first ``valid_length.shape[0]`` tokens: a dynamic size under ``torch.compile``; no mask, except an
-        attention bias over those slots in slot order)."""
-        key_cache, value_cache = inputs.key_cache, inputs.value_cache
-        key_cache.index_copy_(1, inputs.write_index, key.to(key_cache.dtype))
-        value_cache.index_copy_(1, inputs.write_index, value.to(value_cache.dtype))
-        valid = inputs.valid_length.shape[0]
-        key, value = key_cache[:, :valid], value_cache[:, :valid]
-        if inputs.key_rotary is not None:  # keys held before RoPE: rotate every slot read
-            key = apply_rotary_emb(key, inputs.key_rotary[:, :valid])
-        if inputs.mask is not None or inputs.bias is not None:  # a bias over the slots, in slot order
-            key, value = key.to(query.dtype), value.to(query.dtype)
-            return masked_attention(query, key, value, inputs.mask, inputs.bias)
-        return dispatch_attention_fn(query, key, value, backend=self._attention_backend)
+        inputs.cache.attend(key, value)
 
 
 class WanCausalCrossAttnProcessor:

@@ -10,7 +10,8 @@ and, with ``"input": "video"``, the input frames as binary JPEG messages. Server
 
     {"type": "waiting", "frames": n, "height": h, "width": w}       # video input: send frames; it starts after n
     {"type": "started", "settings": {...the resolved values...}}
-    {"type": "chunk", "index": k, "frames": n, "frame_start": f, "height": h, "width": w, "latency_ms": ms}
+    {"type": "chunk", "index": k, "frames": n, "frame_start": f, "height": h, "width": w, "latency_ms": ms,
+     "cache_bytes": b}                                               # the session's KV cache after the chunk
         followed by its n frames as binary messages (JPEG, or RGB bytes with "encoding": "raw")
     {"type": "prompt", "prompt": str, "index": k}                    # the chunk a prompt change takes effect at
     {"type": "dropped", "index": k, "chunks": n, "frames": f, "reason": "slow_client" | "prompt"}

@@ -18,7 +18,7 @@ import uvicorn
 
 from ..settings import RolloutSettings
 from .app import MAX_MESSAGE_BYTES, create_app
-from .sessions import SessionManager
+from .sessions import DEFAULT_ENDLESS_WINDOW, SessionManager
 
 TINY_DEFAULTS = {"height": 64, "width": 64}
 MODEL_DEFAULTS = {"height": 480, "width": 832}
@@ -37,6 +37,7 @@ class ServeConfig:
     cache_budget_gb: float | None = None
     max_sessions: int = 4
     max_frames: int = 481
+    endless_window: int | None = DEFAULT_ENDLESS_WINDOW  # None: refuse an endless stream with an unbounded cache
     steps: int | None = None  # None: the model's stored schedule (4 steps without one)
     allowed_origins: tuple[str, ...] = ()
 
@@ -108,6 +109,7 @@ def build_server(
         budget,
         max_frames=config.max_frames,
         max_sessions=config.max_sessions,
+        endless_window=config.endless_window,
     )
     app = create_app(manager, model_name, device, token=config.token, allowed_origins=config.allowed_origins)
     uv_config = uvicorn.Config(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -29,13 +30,59 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..chunking import chunk_bounds, chunk_layout
 from ..pipelines.video_io.video_source import chunk_num_frames
 from ..settings import RolloutSettings
+from ..settings.cache import KEY_POSITIONS
 from .budget import CacheBudget, session_cache_bytes
 from .jpeg import encode_frames, to_uint8
 from .settings_json import SessionSettings
 
 MAX_PROMPT_CHARS = 2000
+DEFAULT_ENDLESS_WINDOW = 21  # latent frames (Self-Forcing's training length; Rolling Forcing's window)
+
+
+def endless_settings(
+    stored: RolloutSettings,
+    settings: SessionSettings,
+    chunk_size: int,
+    rope_table: int,
+    independent_first_frame: bool = False,
+    default_window: int | None = DEFAULT_ENDLESS_WINDOW,
+) -> tuple[SessionSettings, bool, int]:
+    """A session's settings for an endless stream (``num_frames: null``), asking the settings values whether they serve
+    one: ``(settings, rope_rebasing, planned latent frames)``.
+
+    The KV cache must stay bounded: the policy's ``held_frames`` must not grow with the video (a sliding
+    ``attention_window``, or a policy that bounds the cache itself, as recompute does). Settings that leave it
+    unbounded get ``attention_window=default_window`` (the server's ``--endless-window``), or are refused when it is
+    ``None``. The RoPE positions must stay bounded too: the settings are asked about a plan past the RoPE table
+    (``RolloutSettings.check_chunks``), with RoPE re-basing where the keys are stored rotated (absolute positions; the
+    session's transformer is then re-based). ``planned latent frames``: the run's planned chunks (the cache held once
+    full, and 3 chunks more); the stream goes on after them.
+
+    Raises:
+        ValueError: the settings cannot serve an endless stream (naming the setting), or their own message.
+    """
+    resolved = stored.merge(settings.rollout)
+
+    def held(rollout: RolloutSettings, frames: int) -> int:
+        return rollout.active_policy.held_frames(frames, chunk_size, rollout.cache.attention_window)
+
+    far = rope_table + 4 * chunk_size
+    if held(resolved, far) < held(resolved, 2 * far):  # the cache grows with the video
+        if default_window is None:
+            raise ValueError(
+                "An endless stream (`num_frames`: null) needs settings that bound the KV cache, or its memory grows "
+                "with the video: set `attention_window` (latent frames attended to, e.g. 21), or "
+                "`kv_cache_policy='recompute'` (with `context_frames`), or ask for a `num_frames`."
+            )
+        settings = dataclasses.replace(settings, rollout=settings.rollout.merge(attention_window=default_window))
+        resolved = stored.merge(settings.rollout)
+    rebasing = not KEY_POSITIONS[resolved.cache.positions].keys_before_rope
+    bounds = chunk_bounds(chunk_layout(far, chunk_size, independent_first_frame))
+    resolved.check_chunks(bounds, chunk_size, rope_table=rope_table, rope_rebasing=rebasing)
+    return settings, rebasing, min(held(resolved, far) + 3 * chunk_size, far)
 
 
 def session_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
@@ -125,9 +172,11 @@ class SessionManager:
         session_defaults: the session values a start message's ``settings`` fill in (height, width, seed, strength).
         rollout_defaults: the server's [`RolloutSettings`] under a session's own (over the pipeline's stored ones).
         budget_bytes: the KV-cache bytes all sessions may hold together ([`CacheBudget`]).
-        max_frames: the frame count of a text session that asks for an endless stream (``num_frames: null``).
+        max_frames: the most frames a session may ask for (an endless stream, ``num_frames: null``, has no end).
         max_sessions: connections served at once.
         max_pending_chunks: chunks of a session waiting to be sent before it pauses (or drops).
+        endless_window: the ``attention_window`` of an endless stream whose settings leave the cache unbounded
+            ([`endless_settings`]); ``None``: such a stream is refused.
     """
 
     def __init__(
@@ -140,6 +189,7 @@ class SessionManager:
         max_sessions: int = 8,
         max_pending_chunks: int = 2,
         max_sequence_length: int = 512,
+        endless_window: int | None = DEFAULT_ENDLESS_WINDOW,
     ) -> None:
         self.pipe = pipe
         self.session_defaults = dict(session_defaults)
@@ -149,6 +199,7 @@ class SessionManager:
         self.max_sessions = max_sessions
         self.max_pending_chunks = max_pending_chunks
         self.max_sequence_length = max_sequence_length
+        self.endless_window = endless_window
         self.sessions: dict[int, Session] = {}
         self.order: deque[int] = deque()
         self._idle_pipes: list[Any] = []  # session pipelines of closed sessions, caches cleared
@@ -377,18 +428,27 @@ class SessionManager:
             if session.pipe is not None:
                 self._release_pipe(session.pipe)
             session.pipe = self._session_pipe(pipe_class)
-        session.video, session.settings = video, settings
         num_frames = message["num_frames"]
+        pipe = session.pipe
+        config = pipe.transformer.config
+        temporal = pipe.vae_scale_factor_temporal
+        rebasing = getattr(self.pipe.transformer, "rope_rebasing", False)  # the server's model's own
+        if num_frames is None:  # endless: bounded cache and positions, or refused
+            settings, endless_rebasing, latent_frames = endless_settings(
+                pipe.stored_settings(), settings, config.chunk_size, config.rope_max_seq_len,
+                config.independent_first_frame, self.endless_window,
+            )  # fmt: skip
+            rebasing = rebasing or endless_rebasing
+        else:
+            latent_frames = (num_frames - 1) // temporal + 1
+        pipe.transformer.enable_rope_rebasing(rebasing)  # the session's own transformer
+        session.video, session.settings = video, settings
         call = {"prompt": message["prompt"], **settings.call_kwargs(), "output_type": "np"}
         call["generator"] = torch.Generator("cpu").manual_seed(settings.seed)
-        pipe = session.pipe
-        temporal = pipe.vae_scale_factor_temporal
         if video:
             call["video"] = self._video_frames(session)
-            latent_frames = (self.max_frames if num_frames is None else num_frames) // temporal + 1
         else:
-            call["num_frames"] = self.max_frames if num_frames is None else num_frames
-            latent_frames = (call["num_frames"] - 1) // temporal + 1
+            call["num_frames"] = (latent_frames - 1) * temporal + 1 if num_frames is None else num_frames
         options = pipe.stream_options(**call)
         rollout = pipe.stored_settings().merge(settings.rollout)  # what the call resolves to, before any allocation
         needed = session_cache_bytes(
@@ -396,6 +456,8 @@ class SessionManager:
         )
         self.budget.reserve(session.id, needed)
         session.run = pipe.prepare_rollout(options)
+        if num_frames is None and not video:  # a video session runs as long as its frames come
+            session.run = session.run.endless()
         session.chunks = pipe.stream_run(session.run)
         session.next_chunk = 0
         session.frames_sent = 0
@@ -420,8 +482,8 @@ class SessionManager:
             return
         prompt, transition_chunks = request
         pipe, run = session.pipe, session.run
-        if run.policy is not None and type(run.policy).__name__ == "RollingPolicy":
-            raise ValueError("A live prompt change is not supported under kv_cache_policy='rolling'.")
+        rollout = run.options.settings  # the run's resolved settings say whether they serve a prompt switch
+        rollout.with_arguments(rollout.arguments(), switch_frames=(max(session.frames_sent, 1),))
         device = pipe._execution_device
         embeds = pipe.encode_prompt_switches({0: prompt}, run.session.prompt_embeds, self.max_sequence_length, device)
         run.switch_prompt(session.next_chunk, embeds[0], transition_chunks)
@@ -456,6 +518,7 @@ class SessionManager:
             "height": int(frames.shape[1]),
             "width": int(frames.shape[2]),
             "latency_ms": round(1000 * (time.perf_counter() - started), 2),
+            "cache_bytes": session.cache_bytes(),  # the session's KV cache after this chunk
         }
         session.next_chunk += 1
         session.frames_sent += len(frames)

@@ -78,6 +78,26 @@ class PolicySettings(SettingsValue):
             return False
         return sequential_default or not cls.needs_sequential_default
 
+    @classmethod
+    def check_runs_on(cls, pipeline: str, conditions_chunks: bool, sequential_default: bool = True) -> None:
+        """Raise ``ValueError`` unless the pipeline named ``pipeline`` can run this policy ([`runs_on`]); the message
+        names the policies it runs."""
+        if cls.runs_on(conditions_chunks, sequential_default):
+            return
+        if conditions_chunks and not cls.serves_conditioned_chunks:
+            reason = (
+                "it conditions its chunks by frame (an image, a clip, a control video), which the policy cannot read"
+            )
+        else:
+            reason = "the policy replaces the chunk-by-chunk rollout, which that pipeline does not run"
+        accepted = (
+            None,
+            *(name for name, other in POLICIES.items() if other.runs_on(conditions_chunks, sequential_default)),
+        )
+        raise ValueError(
+            f"`kv_cache_policy={cls.name!r}` cannot run on {pipeline}: {reason}. Accepted here: {accepted}."
+        )
+
     def check_chunks(self, chunk_bounds: Sequence[tuple[int, int]], steps: int, rope_table: int | None = None) -> None:
         """Raise ``ValueError`` for a rollout of the chunks ``chunk_bounds`` (``[start, end)`` latent frames) sampled
         with ``steps`` denoising steps per chunk that this policy cannot serve (``rope_table``: the transformer's RoPE

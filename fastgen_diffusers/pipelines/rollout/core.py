@@ -29,7 +29,7 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import get_module_execution_device
 
-from ...chunking import ChunkPlan, chunk_bounds, chunk_layout
+from ...chunking import ChunkPlan, OpenEndedChunkPlan, chunk_bounds, chunk_layout
 from ...parallel import is_main_process
 from ...settings import RolloutSettings, argument_names, check_rope_table
 from ..video_io.autoencoders import streaming_decoder
@@ -47,7 +47,7 @@ from .prompt_switch import PromptSwitchRule
 from .prompts import PromptScheduleMixin, check_transition_embeds
 from .records import ChunkOutput, ChunkRecord
 from .session import MAIN_BRANCH, RolloutSession, discard_branch, history_to_keep
-from .sources import NoiseSource
+from .sources import EndlessNoiseSource, NoiseSource
 
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 
@@ -103,13 +103,41 @@ class RolloutRun:
         """Switch the conditional prompt to ``prompt_embeds`` (``(B, L, text_dim)``) from chunk ``chunk_index`` on,
         while the rollout runs (a live prompt change): the switch is read when that chunk begins, exactly as a prompt
         schedule's switch at that chunk, blended in over ``transition_chunks`` chunks (default: the call's
-        ``prompt_transition_chunks``). The caller picks a chunk that has not begun (a begun chunk never reads it)."""
+        ``prompt_transition_chunks``), with the call's switch settings (``recache``, whose history a run with
+        ``recache=True`` keeps from its start, ``recache_sink``, ``kv_flush``). The caller picks a chunk that has not
+        begun (a begun chunk never reads it)."""
         if transition_chunks is not None:
             # the call's prompt schedule with this transition (a KV flush or a scene cut switches at once)
             self.options.settings.prompts.replace(prompt_transition_chunks=transition_chunks)
             self.session.prompt_transition_chunks = transition_chunks
         check_transition_embeds(self.session.prompt_transition_chunks, self.session.prompt_embeds, {0: prompt_embeds})
         self.prompt_switches[chunk_index] = prompt_embeds
+
+    def endless(self) -> RolloutRun:
+        """This run without an end (an endless stream): its planned chunks, then chunks of its chunk size on its
+        schedule for as long as they are asked for, each from fresh noise of the call's generator drawn as the chunk
+        starts; its planned chunks are the run's own, frame for frame. No chunk is the last: the caller ends it by
+        closing the stream, and keeps memory flat by settings that bound the cache and the RoPE positions (ask
+        ``RolloutSettings.check_chunks`` about a plan longer than the RoPE table).
+
+        Raises:
+            ValueError: the run's policy needs its chunks up front (a rolling window), keeps its cache
+                (``keep_cache=True``) or starts its chunks from something other than noise.
+        """
+        if self.policy is None or not self.policy.runs_open_ended_plans:
+            raise ValueError(
+                f"The run's policy ({type(self.policy).__name__}) plans its chunks up front: it cannot run without an "
+                "end. Ask for a `num_frames`."
+            )
+        if self.options.keep_cache:
+            raise ValueError("An endless run has no last chunk to keep the cache after: pass keep_cache=False.")
+        if type(self.source) is not NoiseSource or self.source.start_frame != 0:
+            raise ValueError(
+                f"Only a run started from noise can go on without an end, not {type(self.source).__name__}."
+            )
+        chunk_size = self.options.chunk_size or self.pipe.transformer.config.chunk_size
+        plan = OpenEndedChunkPlan(self.plan, chunk_size, self.session.schedule)
+        return replace(self, plan=plan, source=EndlessNoiseSource(self.source.noise, self.options.generator))
 
     def chunks(self) -> Iterator[ChunkRecord]:
         """The rollout's finished chunks, one by one (see [`CausalRolloutMixin.run_policy`])."""
@@ -311,7 +339,8 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
             schedule=schedule,
             first_schedule=first_schedule,
             attention_kwargs=options.attention_kwargs,
-            keep_history=history_to_keep(options.keep_cache, options.recache and bool(switches)),
+            # what a recache needs, with or without a scheduled switch: a live one may come (`run.switch_prompt`)
+            keep_history=history_to_keep(options.keep_cache, options.recache),
             num_reference_frames=refs,
             prompt_transition_chunks=options.prompt_transition_chunks,
             kv_cache_attention_bias=options.kv_cache_attention_bias,

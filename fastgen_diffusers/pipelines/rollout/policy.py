@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ...chunking import ChunkPlan, ChunkSpan
+from ...chunking import ChunkPlan, ChunkSpan, OpenEndedChunkPlan
 from .records import ChunkRecord
 from .session import RolloutSession
 from .sources import NoiseSource
@@ -39,6 +39,9 @@ from .sources import NoiseSource
 
 class RolloutPolicy:
     """How a plan of chunks is turned into transformer forwards. Subclasses implement [`run`]."""
+
+    # Whether [`run`] serves an [`OpenEndedChunkPlan`] (an endless stream: chunks asked for one by one, none last).
+    runs_open_ended_plans: bool = False
 
     def run(
         self,
@@ -81,7 +84,16 @@ class SequentialPolicy(RolloutPolicy):
     around a chunk (Krea's recompute) overrides [`chunk_position`] / [`finish_chunk`]: the loop stays one.
     """
 
+    runs_open_ended_plans = True
+
     def run(self, pipe, session, plan, source, **options):
+        if isinstance(plan, OpenEndedChunkPlan):  # chunks as they are asked for; none is the last, steps unknown
+            chunks = (
+                (span, False, partial(self._noise_start, pipe.scheduler, source, span, schedule))
+                for span, schedule in plan
+            )
+            yield from self.run_chunks(pipe, session, chunks, None, **options)
+            return
         conditioner = session.conditioner
         num_timesteps = sum(
             len(schedule["sigmas"]) for span, schedule in plan if conditioner.given_latents(span) is None

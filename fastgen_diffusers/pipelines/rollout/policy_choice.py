@@ -117,10 +117,11 @@ class PolicyChoiceMixin:
         attention bias its transformer cannot take. Every other rule of the call's settings is checked when they are
         built."""
         if kv_cache_policy in POLICIES and not self.supports_policy(kv_cache_policy):
-            kind = "conditions its chunks by frame" if self.conditions_chunks() else "samples chunk by chunk"
-            raise ValueError(
-                f"`kv_cache_policy={kv_cache_policy!r}` drives text-to-video rollouts only (and video-to-video ones "
-                f"under 'recompute'); {type(self).__name__} {kind}. Accepted here: {self.supported_policies()}."
+            sequential_default = type(self.default_policy) is SequentialPolicy
+            POLICIES[kv_cache_policy].check_runs_on(type(self).__name__, self.conditions_chunks(), sequential_default)
+            raise ValueError(  # the policy runs on such a pipeline, but this one has no runner for it
+                f"`kv_cache_policy={kv_cache_policy!r}` has no runner on {type(self).__name__}. Accepted here: "
+                f"{self.supported_policies()}."
             )
         bias = kv_cache_attention_bias
         if bias is not None and bias != 1 and not self.supports_attention_bias():

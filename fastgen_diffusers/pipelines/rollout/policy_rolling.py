@@ -161,11 +161,15 @@ class RollingPolicy(RolloutPolicy):
         re-noising and the commit. ``store_last`` runs the last commit too (it serves nothing else). A prompt schedule
         and ``recache`` are refused (see [`RollingSettings.check`]).
         """
-        if prompt_switches or recache:
-            raise ValueError("`kv_cache_policy='rolling'` does not support prompt schedules or `recache`.")
         schedules = {tuple(sorted((k, tuple(v)) for k, v in schedule.items())) for _, schedule in plan}
-        if len(schedules) != 1:
-            raise ValueError("`kv_cache_policy='rolling'` runs every chunk on one schedule (no first-chunk schedule).")
+        # a plan run directly (not through a pipeline call) is asked the policy's own rules
+        RollingSettings().check(
+            {
+                "recache": recache,
+                "switch_frames": tuple(prompt_switches or ()),
+                "first_chunk_timesteps": plan.schedules[0] if len(schedules) > 1 else None,
+            }
+        )
         spans = plan.spans
         device = source.noise.device
         pipe.scheduler.set_timesteps(**plan.schedules[0], device=device)
