@@ -104,6 +104,9 @@ class TestStorageContract:
         data = 2 * stored_slots * SEQLEN * HEADS * DIM * per_element
         scales = 2 * stored_slots * HEADS * 4 if storage.codec.storage_dtype is not None else 0
         assert storage.nbytes == data + scales
+        quantized = storage.codec.storage_dtype is not None
+        held = 2 * 2 * SEQLEN * HEADS * DIM * per_element + (2 * 2 * HEADS * 4 if quantized else 0)
+        assert storage.held_bytes(2) == held  # two slots held, whatever the capacity
         storage.clear()
         if not storage.fixed_slots:
             assert storage.nbytes == 0 and storage.num_slots == 0

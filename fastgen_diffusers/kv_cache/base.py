@@ -1,29 +1,36 @@
-"""``BaseKVCacheEngine``: the call protocol of a KV-cache engine (one branch of a causal model) over its parts.
+"""``BaseKVCacheEngine``: a KV-cache engine (one branch of a causal model) = a ledger over a narrow storage.
 
 An engine serves one branch of attention modules (``"main"``: ``transformer.blocks``, ``"vace"``:
-``transformer.vace_blocks``) and is made of small parts, each in its own module:
+``transformer.vace_blocks``). As llama.cpp splits its cells from its memory, it is made of a torch-free ledger and
+tensor storages, with small parts around them:
 
 ============  ===========================================  ===================================================
 part          module                                       holds
 ============  ===========================================  ===================================================
-``window``    :mod:`~fastgen_diffusers.kv_cache.window`    the window/sink rule (:class:`AttentionWindow`)
-``_tags``     :mod:`~fastgen_diffusers.kv_cache.tags`      per tag: layout, stored chunks, window position
-``_self_kv``  (the engine subclass)                        ``[block_idx][cache_tag]``: self-attention K/V
+``ledger``    :mod:`~fastgen_diffusers.kv_cache.ledger`    per tag: stored frames, window and sink rule, slots,
+                                                           key positions, transaction state; plans each call
+``_self_kv``  :mod:`~fastgen_diffusers.kv_cache.storage`   ``[block_idx][cache_tag]``: one self K/V storage
 ``cross``     :mod:`~fastgen_diffusers.kv_cache.cross`     ``[block_idx][cache_tag]`` cross K/V + their source
 ``blocks``    :mod:`~fastgen_diffusers.kv_cache.registry`  ``id(attn_module) -> block index``
 ============  ===========================================  ===================================================
 
-The policies an engine applies are rules in their own modules too: key positions
-(:mod:`~fastgen_diffusers.kv_cache.positions`), the EMA sink (:mod:`~fastgen_diffusers.kv_cache.ema_sink`), 8-bit
-storage (:mod:`~fastgen_diffusers.kv_cache.quantize`) and the checks that tie the options together
-(:mod:`~fastgen_diffusers.kv_cache.options`). Block-causal masks are memoised by the model
-(:mod:`~fastgen_diffusers.kv_cache.masks`), byte formulas live in :mod:`~fastgen_diffusers.kv_cache.accounting`.
+**The interface** is about a dozen methods, on :class:`BaseKVCacheEngine` itself: registration
+(:meth:`~BaseKVCacheEngine.register_blocks`), one forward (:meth:`~BaseKVCacheEngine.check_call`,
+:meth:`~BaseKVCacheEngine.ensure_capacity`, :meth:`~BaseKVCacheEngine.begin_transaction`,
+:meth:`~BaseKVCacheEngine.begin_call`, :meth:`~BaseKVCacheEngine.plan_call`, :meth:`~BaseKVCacheEngine.cache_view`,
+:meth:`~BaseKVCacheEngine.store`, :meth:`~BaseKVCacheEngine.end_transaction`, :meth:`~BaseKVCacheEngine.rollback`)
+and edits between forwards (:meth:`~BaseKVCacheEngine.truncate`, :meth:`~BaseKVCacheEngine.copy_tag`,
+:meth:`~BaseKVCacheEngine.clear`). No caller asks which storage an engine has: the plan and the views
+(:mod:`~fastgen_diffusers.kv_cache.plan`) serve every storage alike. The other public names (the spec's
+``ensure_capacity`` / ``append_self_kv`` / ``get_self_prefix``, ``_self_kv``, ``_cross_kv``, ``_module_to_block``,
+``_block_masks``, and named reads and edits the pipelines use) are thin views over the ledger, the storages and the
+cross cache, gathered in :class:`EngineViews`.
 
 Self-attention keys are stored after ``norm_k`` and RoPE (``rope_positions="absolute"``, the default) or after
 ``norm_k`` only (any other mode, :mod:`~fastgen_diffusers.kv_cache.positions`: the model rotates them at read time at
-the positions :meth:`BaseKVCacheEngine.key_positions` gives), values as projected, both ``(B, tokens, H, D)`` and
-detached. The rules every engine keeps (checked by :meth:`BaseKVCacheEngine.check_call` before anything is
-written):
+the positions :meth:`~fastgen_diffusers.kv_cache.ledger.Ledger.key_positions` gives), values as projected, both
+``(B, tokens, H, D)`` and detached. The rules every engine keeps (checked by :meth:`BaseKVCacheEngine.check_call`
+before anything is written):
 
 * a tag's entries all have one batch size, dtype, device, head layout and frame token count;
 * a call may start at frame 0, at the end of what is stored, or at the start of a stored chunk; a later start is
@@ -35,13 +42,14 @@ written):
 * the engine operations of one forward form a transaction (:meth:`BaseKVCacheEngine.begin_transaction`): a forward
   that fails midway is rolled back to exactly what the tag held before (frames, evictions, cross K/V, positions).
 
-Sliding window and sink (``window_frames``, ``sink_frames``): the engine's :class:`AttentionWindow` (``self.window``)
-states the rule once; the engine evicts what it says is out of every later window, per frame and the same in every
-engine: a call evicts the non-sink frames before its first chunk's window, a store keeps the sink and the frames
-from :meth:`AttentionWindow.recent_start` on. With absolute positions keys are stored after RoPE, so positions stay
-absolute; ``rope_positions="window"`` puts them at their slot of the window instead, and ``sink_update="ema"`` folds
-the evicted frames into the sink (:meth:`BaseKVCacheEngine.begin_call`). A call that
-needs an evicted frame is an error, except inside a windowed recache (:meth:`BaseKVCacheEngine.skip_evicted`), whose
+Sliding window and sink (``window_frames``, ``sink_frames``, ``sink_update``): the engine's :class:`AttentionWindow`
+(``self.window``) states the window once, the ledger's :class:`~fastgen_diffusers.kv_cache.ledger.SinkRule` which
+frames are pinned and how they are updated; the engine evicts what the ledger says is out of every later window, per
+frame and the same for every storage: a call evicts the non-sink frames before its first chunk's window, a store
+keeps the sink and the frames from :meth:`AttentionWindow.recent_start` on. With absolute positions keys are stored
+after RoPE, so positions stay absolute; ``rope_positions="window"`` puts them at their slot of the window instead,
+and ``sink_update="ema"`` folds the evicted frames into the sink (:meth:`BaseKVCacheEngine.begin_call`). A call that
+needs an evicted frame is an error, except inside a windowed recache (:meth:`EngineViews.skip_evicted`), whose
 calls attend to the frames held.
 
 Storage (:mod:`~fastgen_diffusers.kv_cache.storage`): each block and tag's self K/V live in a storage of the engine's
@@ -62,13 +70,14 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from .accounting import expected_scale_bytes, tensor_bytes
+from .accounting import expected_scale_bytes
 from .cross import ConditioningKey, CrossKVCache, CrossKVEntry, CrossKVMode
-from .ema_sink import check_ema_chunks, check_ema_eviction, ema_update
+from .ema_sink import check_ema_chunks, ema_update
+from .ledger import Ledger, SinkRule
 from .masks import BlockMaskMemo
 from .options import SINK_UPDATES, check_kv_cache_dtype, check_rope_and_sink_settings
 from .plan import CallPlan, PrefixView, SlotPlan, SlotView
-from .positions import RopePositions, check_chunk_positions
+from .positions import RopePositions
 from .registry import BlockRegistry
 from .storage import ChunkListStorage, KVStorage, StorageLayout, codec_for
 from .tags import TagState, TagTable
@@ -78,6 +87,7 @@ from .window import AttentionWindow
 __all__ = [
     "SINK_UPDATES",
     "BaseKVCacheEngine",
+    "EngineViews",
     "Transaction",
     "check_ema_chunks",
     "check_kv_cache_dtype",
@@ -98,61 +108,20 @@ class Transaction:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class BaseKVCacheEngine:
-    """The rules shared by every engine over a narrow self-attention storage.
+class EngineViews:
+    """Thin named views of an engine: reads of the ledger, named edits the pipelines call, the cross cache's
+    operations, byte counts, and the spec's names (``ensure_capacity`` / ``append_self_kv`` / ``get_self_prefix``,
+    ``_self_kv`` / ``_cross_kv`` / ``_module_to_block`` / ``_block_masks``). Each is a line or two over the engine's
+    interface, its ledger, storages or cross cache; none holds state or a rule of its own."""
 
-    Each block and tag holds one :class:`~fastgen_diffusers.kv_cache.storage.KVStorage` of :attr:`storage_class`
-    (with the engine's codec: the compute dtype, or 8-bit): the engine maps frames to the storage's slots and calls
-    only the storage's operations, the same for every storage. A storage written in place gets its overwritten slots
-    kept in the open :class:`Transaction` (``self._transaction``) first.
+    ledger: Ledger
+    cross: CrossKVCache
+    blocks: BlockRegistry
+    window: AttentionWindow
+    _self_kv: list[dict[str, KVStorage]]
+    _mask_memo: BlockMaskMemo | None
 
-    Args:
-        window_frames: attend to at most this many latent frames per chunk (its own frames and the sink included);
-            ``None`` keeps and attends to every frame.
-        sink_frames: the first frames of the video, kept and attended to for ever (needs ``window_frames``).
-        rope_positions: temporal RoPE positions of the keys (:mod:`~fastgen_diffusers.kv_cache.positions`):
-            ``"absolute"`` (keys stored after RoPE at their frame) or ``"window"`` (keys stored before RoPE and rotated
-            at read time by their slot in ``[sink | recent | call]``; needs ``window_frames``).
-        sink_update: ``"fixed"`` (the sink keeps its first K/V) or ``"ema"``: when frames leave the window, per tag
-            and block, ``sink = sink_decay * sink + (1 - sink_decay) * evicted`` for K and V (needs sink frames and
-            keys stored before RoPE; see :meth:`begin_call`).
-        sink_decay: the EMA's decay in ``(0, 1)`` (Reward Forcing: 0.999).
-        kv_cache_dtype: ``None`` (default: self K/V stored in the compute dtype) or an 8-bit storage dtype,
-            ``torch.float8_e4m3fn`` or ``torch.int8`` (or its name): completed frames are stored quantized with one
-            float32 scale per (sample, frame, head) (:mod:`~fastgen_diffusers.kv_cache.quantize`) and dequantized
-            on read; a call's own K/V stay in the compute dtype. Inference only: a forward with gradients enabled
-            is an error. Cross-attention K/V are not quantized.
-    """
-
-    storage_class: type[KVStorage] = ChunkListStorage
-
-    def __init__(
-        self,
-        *,
-        window_frames: int | None = None,
-        sink_frames: int = 0,
-        # window-relative RoPE and EMA sink (Reward Forcing)
-        rope_positions: str = "absolute",
-        sink_update: str = "fixed",
-        sink_decay: float = 0.999,
-        # 8-bit KV cache
-        kv_cache_dtype: torch.dtype | str | None = None,
-    ) -> None:
-        self.window = AttentionWindow.from_arguments(window_frames, sink_frames, frames_name="window_frames")
-        self._rope_mode = check_rope_and_sink_settings(self.window, rope_positions, sink_update, sink_decay)
-        self.rope_positions = rope_positions
-        self.sink_update = sink_update
-        self.sink_decay = float(sink_decay)
-        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, sink_update)
-        self._codec = codec_for(self.kv_cache_dtype)
-        self.blocks = BlockRegistry()
-        self._mask_memo: BlockMaskMemo | None = None
-        self._tags = TagTable()
-        self._self_kv: list[dict[str, Any]] = []
-        self.cross = CrossKVCache()
-        self._transaction: Transaction | None = None
-        self._last_slot_plan: tuple[tuple, SlotPlan] | None = None
-
+    # ------------------------------------------------------------------ configuration
     @property
     def window_frames(self) -> int | None:
         return self.window.frames
@@ -164,34 +133,21 @@ class BaseKVCacheEngine:
     @property
     def keys_before_rope(self) -> bool:
         """Whether self-attention keys are stored un-rotated and rotated at read time (:meth:`key_positions`)."""
-        return self._rope_mode.keys_before_rope
-
-    @property
-    def _cross_kv(self) -> list[dict[str, CrossKVEntry]]:
-        """Cross entries ``[block_idx][cache_tag]``."""
-        return self.cross.entries
-
-    # ------------------------------------------------------------------ registration
-    def register_blocks(self, blocks: Sequence[nn.Module], block_masks: BlockMaskMemo | None = None) -> None:
-        """Register the ``attn1``/``attn2`` modules of ``blocks``; ``blocks[i]`` becomes block index ``i``.
-
-        ``block_masks``: the model's mask memo, which the spec's ``_block_masks`` view reads. Registering again
-        replaces the previous registration and empties the cache.
-        """
-        self.blocks = BlockRegistry(blocks)
-        self._mask_memo = block_masks
-        self.clear()
+        return self.ledger.positions.keys_before_rope
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
 
-    def owns(self, attn: nn.Module) -> bool:
-        return self.blocks.owns(attn)
+    # ------------------------------------------------------------------ the spec's structures
+    @property
+    def _tags(self) -> TagTable:
+        return self.ledger.tags
 
-    def block_index(self, attn: nn.Module) -> int:
-        """Branch-local block index of a registered attention module."""
-        return self.blocks.block_index(attn, type(self).__name__)
+    @property
+    def _cross_kv(self) -> list[dict[str, CrossKVEntry]]:
+        """Cross entries ``[block_idx][cache_tag]``."""
+        return self.cross.entries
 
     @property
     def _module_to_block(self) -> Mapping[int, int]:
@@ -205,115 +161,28 @@ class BaseKVCacheEngine:
         that registered this engine (empty before)."""
         return MappingProxyType({}) if self._mask_memo is None else self._mask_memo.view()
 
-    # ------------------------------------------------------------------ tags and the window
+    # ------------------------------------------------------------------ registration
+    def owns(self, attn: nn.Module) -> bool:
+        return self.blocks.owns(attn)
+
+    def block_index(self, attn: nn.Module) -> int:
+        """Branch-local block index of a registered attention module."""
+        return self.blocks.block_index(attn, type(self).__name__)
+
+    # ------------------------------------------------------------------ ledger reads
     def tag_state(self, cache_tag: str) -> TagState | None:
-        return self._tags.get(cache_tag)
+        return self.ledger.state(cache_tag)
 
     def num_stored_frames(self, cache_tag: str) -> int:
-        return self._tags.num_frames(cache_tag)
+        return self.ledger.num_frames(cache_tag)
 
-    def check_call(
-        self,
-        cache_tag: str,
-        *,
-        start_frame: int,
-        batch_size: int,
-        frame_seqlen: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        chunk_layout: tuple[int, ...] = (1,),
-        attention_window: AttentionWindow | None = None,
-        store_kv: bool = False,
-    ) -> None:
-        """Raise ``ValueError`` if a call cannot be served by what ``cache_tag`` holds. Writes nothing.
+    def held_frames(self, cache_tag: str) -> int:
+        """Frames of ``cache_tag`` whose K/V the engine holds (the sink and the frames not evicted)."""
+        return self.ledger.held_frames(cache_tag)
 
-        ``chunk_layout`` is the call's split into chunks (frame counts); windowed engines check that each chunk fits
-        the window and that the frames its first chunk attends to are still held. With ``sink_update="ema"`` the
-        frames the call evicts must be as many as the sink's (see :meth:`begin_call`). ``attention_window`` is the
-        call's own window (see :meth:`check_call_window`), checked instead of the engine's. With keys stored before
-        RoPE, a call of several chunks must give each chunk its chunk-by-chunk key positions
-        (:meth:`_check_chunk_positions`).
-        """
-        layout = {
-            "batch_size": batch_size,
-            "frame_seqlen": frame_seqlen,
-            "num_heads": num_heads,
-            "head_dim": head_dim,
-            "dtype": dtype,
-            "device": device,
-        }
-        if self.kv_cache_dtype is not None and torch.is_grad_enabled():
-            raise ValueError(
-                f"An 8-bit KV cache (`kv_cache_dtype={self.kv_cache_dtype}`) serves inference only: run the forward "
-                "under `torch.no_grad()` or `torch.inference_mode()`, or use engines without `kv_cache_dtype`."
-            )
-        if attention_window is None:
-            self._tags.check_call(cache_tag, self.window, start_frame, chunk_layout, layout)
-            if self.sink_update == "ema":
-                self._check_ema_call(cache_tag, start_frame, chunk_layout, store_kv)
-        else:
-            if self.sink_update == "ema":
-                raise ValueError(
-                    "A call under its own `attention_window` evicts nothing, so it cannot fold evicted frames into an "
-                    "EMA sink: use sink_update='fixed' with per-call windows."
-                )
-            self._tags.check_call(cache_tag, attention_window, start_frame, chunk_layout, layout, check_held=False)
-            self.check_call_window(cache_tag, attention_window, start_frame, chunk_layout[0])
-        state = self._tags.get(cache_tag)
-        if state is not None and state.recaching and len(chunk_layout) > 1:
-            # its first chunk sees the held frames only, which the block masks (frame rule) do not describe
-            raise ValueError(
-                f"A windowed recache of cache_tag {cache_tag!r} (see `skip_evicted`) re-runs one chunk per call; got "
-                f"a call of chunks {tuple(chunk_layout)} at start_frame={start_frame}."
-            )
-        if self.keys_before_rope and len(chunk_layout) > 1:
-            self._check_chunk_positions(cache_tag, start_frame, tuple(chunk_layout), attention_window)
-
-    def _check_chunk_positions(
-        self,
-        cache_tag: str,
-        start_frame: int,
-        chunk_layout: tuple[int, ...],
-        attention_window: AttentionWindow | None,
-    ) -> None:
-        """Raise ``ValueError`` when a call of several chunks cannot give every chunk the key positions it would have
-        run chunk by chunk (keys stored before RoPE; :func:`~.positions.check_chunk_positions` over the keys of
-        :meth:`key_positions`)."""
-        window = self.window if attention_window is None else attention_window
-        frames = self._key_frames(cache_tag, start_frame, sum(chunk_layout), chunk_layout[0], False, attention_window)
-        check_chunk_positions(
-            self.rope_positions, window, frames, start_frame, chunk_layout, self.rope_offset(cache_tag)
-        )
-
-    def check_call_window(
-        self, cache_tag: str, attention_window: AttentionWindow, start_frame: int, first_chunk_frames: int
-    ) -> None:
-        """Raise ``ValueError`` unless a call at ``start_frame`` attending under its own ``attention_window`` sees only
-        frames ``cache_tag`` holds.
-
-        A per-call window lets one rollout attend under several windows while the engine holds the union of what
-        they see: the engine's window (``window_frames`` / ``sink_frames``) is then the *holding* window, and a call
-        may attend to any held frames (its own sink and recent frames). Such a call evicts nothing
-        (:meth:`begin_call`); stores still evict by the holding window.
-        """
-        if not isinstance(attention_window, AttentionWindow):
-            raise ValueError(
-                f"`attention_window` must be an AttentionWindow or None, got {type(attention_window).__name__}."
-            )
-        state = self._tags.get(cache_tag)
-        if state is not None:
-            self.window.check_call_window(
-                attention_window, start_frame, first_chunk_frames, state.evicted_before, f"cache_tag {cache_tag!r}"
-            )
-
-    def _check_ema_call(self, cache_tag: str, start_frame: int, chunk_layout: Sequence[int], store_kv: bool) -> None:
-        """The EMA sink folds the frames a call evicts into the sink frame by frame (:meth:`begin_call`)."""
-        state = self._tags.get(cache_tag)
-        if state is None or state.recaching:
-            return
-        check_ema_eviction(self.window, start_frame, tuple(chunk_layout), state.evicted_before, store_kv)
+    def rope_offset(self, cache_tag: str) -> int:
+        """Temporal RoPE positions of ``cache_tag`` are ``frame - rope_offset`` (0 until re-based)."""
+        return self.ledger.rope_offset(cache_tag)
 
     def visible_window(self, start_frame: int, first_chunk_frames: int) -> tuple[int, int]:
         """``(sink_end, recent_start)``: the cached frames a call's first chunk attends to are ``[0, sink_end)`` and
@@ -332,184 +201,19 @@ class BaseKVCacheEngine:
         first_chunk_frames: int,
         attention_window: AttentionWindow | None = None,
     ) -> tuple[int, int]:
-        """[`visible_window`] clipped to what ``cache_tag`` holds (``[0, sink_end)``, ``[recent_start, start_frame)``).
+        """:meth:`Ledger.held_visible <fastgen_diffusers.kv_cache.ledger.Ledger.held_visible>`."""
+        return self.ledger.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
 
-        The same as :meth:`visible_window` for every call the rules allow; only the calls of a windowed recache
-        (:meth:`skip_evicted`) see fewer frames, as their evicted predecessors are gone. A call under its own
-        ``attention_window`` sees that window's frames (checked held by :meth:`check_call_window`).
-        """
-        if attention_window is not None:
-            return attention_window.visible(start_frame, first_chunk_frames)
-        sink_end, recent_start = self.window.visible(start_frame, first_chunk_frames)
-        state = self._tags.get(cache_tag)
-        if state is not None and self.window.bounded:
-            recent_start = max(recent_start, min(max(state.evicted_before, sink_end), start_frame))
-        return sink_end, recent_start
-
-    # ------------------------------------------------------------------ windowed recache
-    def skip_evicted(self, cache_tag: str, resume_frame: int) -> None:
-        """Open a windowed recache of ``cache_tag``: the frames ``[stored, resume_frame)`` count as stored and
-        evicted, so the next store may start at ``resume_frame``; until :meth:`end_recache`, calls attend to the
-        frames the tag holds (the sink and what the recache has re-stored) instead of raising for evicted ones.
-
-        LongLive's recache under a window: only the chunks the window still holds are re-run, each seeing the sink
-        and the re-run chunks before it.
-        """
-        state = self._tags[cache_tag]
-        if resume_frame < state.num_frames:
-            raise ValueError(f"Cannot skip to frame {resume_frame}: cache_tag {cache_tag!r} holds {state.num_frames}.")
-        if not self.window.bounded or resume_frame <= self.window.sink:
-            raise ValueError("A windowed recache needs a window and a resume frame past the sink.")
-        if state.num_frames < resume_frame and state.num_frames not in state.chunk_starts:
-            # the skipped frames count as one stored chunk, so that a later recache may truncate there again
-            state.chunk_starts.append(state.num_frames)
-        state.num_frames = resume_frame
-        state.evicted_before = max(state.evicted_before, resume_frame)
-        state.recaching = True
-        for block_idx in range(self.num_blocks):
-            self._evict_self_entry(self._self_kv[block_idx][cache_tag], state, resume_frame)
-
-    def end_recache(self, cache_tag: str) -> None:
-        """Close the windowed recache of ``cache_tag`` (:meth:`skip_evicted`): the usual rules apply again."""
-        state = self._tags.get(cache_tag)
-        if state is not None:
-            state.recaching = False
-
-    # ------------------------------------------------------------------ prompt-switch edits (Infinity-RoPE)
-    def flush(self, cache_tag: str, keep_frames: int) -> None:
-        """KV flush: keep only the sink and the last ``keep_frames`` stored frames of ``cache_tag`` (Infinity-RoPE's
-        ``kv_flush`` at a prompt switch). Until the window slides past the dropped frames, calls attend to the held
-        frames only (the dropped ones are no error, as evicted frames of a windowed recache are not)."""
-        state = self._tags.get(cache_tag)
-        if state is None:
-            return
-        if not self.window.bounded:
-            raise ValueError("A KV flush keeps the sink and the last frames: it needs an engine with `window_frames`.")
-        before = max(state.num_frames - keep_frames, self.window.sink, state.evicted_before)
-        if before <= state.evicted_before:
-            return
-        state.evicted_before = state.flushed_before = before
-        for block_idx in range(self.num_blocks):
-            self._evict_self_entry(self._self_kv[block_idx][cache_tag], state, before)
-
-    def set_rope_cut(self, cache_tag: str, position: int | None) -> None:
-        """Scene cut (Infinity-RoPE's ``rope_cut``): until set back to ``None``, the frames of each call of
-        ``cache_tag`` (queries and their own keys) sit at temporal positions ``position, position + 1, ...``; the
-        cached keys keep their positions. Needs keys stored before RoPE (the cut is not written into the cache)."""
-        if position is not None and not self.keys_before_rope:
-            raise ValueError(
-                "A RoPE cut moves the call's frames to other positions at read time: it needs keys stored before "
-                f"RoPE (rope_positions='window'), got rope_positions={self.rope_positions!r}."
-            )
-        state = self._tags.get(cache_tag)
-        if state is not None:
-            state.rope_cut = position
-
-    def held_frames(self, cache_tag: str) -> int:
-        """Frames of ``cache_tag`` whose K/V the engine holds (the sink and the frames not evicted)."""
-        state = self._tags.get(cache_tag)
-        return 0 if state is None else self.window.held_frames(state.num_frames, state.evicted_before)
-
-    # ------------------------------------------------------------------ transactions
-    def begin_transaction(self, cache_tag: str) -> None:
-        """Remember what ``cache_tag`` holds, so that :meth:`rollback` restores it exactly.
-
-        The model opens one transaction per forward before its first engine operation and ends it once the
-        forward's writes are committed; a forward that fails midway is rolled back. For storages written in place
-        it also notes which slots hold frames the tag holds now: an in-place write to them during the transaction
-        first keeps their contents (:meth:`_keep_for_undo`); writes to free slots keep nothing.
-        """
-        state = self._tags.get(cache_tag)
-        self._transaction = Transaction(
-            cache_tag,
-            None if state is None else state.copy(),
-            [self._snapshot_self_entry(per_tag.get(cache_tag)) for per_tag in self._self_kv],
-            self.cross.snapshot(cache_tag),
-        )
-        if not self.storage_class.writes_in_place:
-            return
-        held_slots = []
-        if state is not None:
-            window = self.window
-            frames = [(0, state.num_frames)]
-            if window.bounded:
-                frames = [
-                    (0, min(window.sink, state.num_frames)),
-                    (max(window.sink, state.evicted_before), state.num_frames),
-                ]
-            for first, last in frames:
-                held_slots += [(slot, slot + count) for _, slot, count in self._slot_runs(first, last)]
-        self._transaction.extra.update(held_slots=held_slots, unsaved={})
-
-    def end_transaction(self) -> None:
-        """Keep what the forward wrote (nothing is undone after this)."""
-        self._transaction = None
-
-    def rollback(self) -> None:
-        """Restore the tag of the open transaction to what it held when the transaction began, and end it."""
-        transaction, self._transaction = self._transaction, None
-        if transaction is None:
-            return
-        for undo in reversed(transaction.undo):
-            undo()
-        tag = transaction.cache_tag
-        self._tags.set(tag, transaction.state)
-        for per_tag, snapshot in zip(self._self_kv, transaction.self_entries):
-            if snapshot is None:
-                per_tag.pop(tag, None)
-            else:
-                per_tag[tag] = self._restore_self_entry(snapshot)
-        self.cross.restore(tag, transaction.cross)
-
-    def _snapshot_self_entry(self, entry: KVStorage | None) -> Any:
-        """What :meth:`_restore_self_entry` needs to give ``entry`` back as it is now (``None`` stays ``None``)."""
-        return None if entry is None else entry.snapshot()
-
-    def _restore_self_entry(self, snapshot: Callable[[], KVStorage]) -> KVStorage:
-        return snapshot()
-
-    # ------------------------------------------------------------------ the forward's operations
-    def begin_call(
+    def prefix_key_frames(
         self,
         cache_tag: str,
         start_frame: int,
-        first_chunk_frames: int,
+        first_chunk_frames: int = 1,
         attention_window: AttentionWindow | None = None,
-    ) -> None:
-        """Evict (windowed engines) the non-sink frames before the window of a call about to run.
+    ) -> list[int]:
+        """The latent frame of each frame of keys :meth:`get_self_prefix` returns, in its order (frame order)."""
+        return self.ledger.prefix_frames(cache_tag, start_frame, first_chunk_frames, attention_window)
 
-        Called once per forward, after :meth:`ensure_capacity` and before the blocks run, so that every block of the
-        branch evicts the same frames. With ``sink_update="ema"`` the evicted frames ``e`` (exactly ``sink_frames``
-        of them, checked by :meth:`check_call`) are first folded into the sink, per block, K and V alike:
-        ``sink[i] = sink_decay * sink[i] + (1 - sink_decay) * e[i]`` (Reward Forcing's update at the first forward
-        of a chunk that evicts; every call of that chunk then sees the updated sink). Inside the forward's
-        transaction, so a failed forward restores the sink. A windowed recache (:meth:`skip_evicted`) folds nothing.
-        A call under its own ``attention_window`` evicts nothing: later calls may attend under other windows (its
-        stores still evict by the engine's window).
-        """
-        state = self._tags.get(cache_tag)
-        if not self.window.bounded or state is None or attention_window is not None:
-            return
-        _, recent_start = self.window.visible(start_frame, first_chunk_frames)
-        first = max(self.window.sink, state.evicted_before)
-        if recent_start <= first:
-            return
-        if self.sink_update == "ema" and not state.recaching:
-            self._fold_into_sink(cache_tag, state, first, recent_start)
-        state.evicted_before = recent_start
-        for block_idx in range(self.num_blocks):
-            self._evict_self_entry(self._self_kv[block_idx][cache_tag], state, recent_start)
-
-    def _fold_into_sink(self, cache_tag: str, state: TagState, first: int, last: int) -> None:
-        """EMA of the evicted frames ``[first, last)`` into the sink frames ``[0, last - first)``, every block."""
-        decay = self.sink_decay
-        for block_idx in range(self.num_blocks):
-            entry = self._self_kv[block_idx][cache_tag]
-            sink_key, sink_value = self._frames_kv(entry, state, 0, last - first)
-            key, value = self._frames_kv(entry, state, first, last)
-            self._replace_sink(entry, state, ema_update(sink_key, key, decay), ema_update(sink_value, value, decay))
-
-    # ------------------------------------------------------------------ RoPE positions
     def key_positions(
         self,
         cache_tag: str,
@@ -520,86 +224,65 @@ class BaseKVCacheEngine:
         in_place: bool = False,
         attention_window: AttentionWindow | None = None,
     ) -> RopePositions:
-        """Temporal RoPE positions of the keys a call attends to, in the order the engine returns them, and of its
-        queries (:class:`~fastgen_diffusers.kv_cache.positions.RopePositions`), by the engine's ``rope_positions``.
-
-        The keys are ``[visible prefix | this call]`` (:meth:`get_self_prefix`, then the call's frames), or with
-        ``in_place=True`` those of the static engine's in-place path, in buffer slot order. Reads nothing but the
-        tag's bookkeeping, so it may be asked before or after :meth:`begin_call` (same answer). A call under its own
-        ``attention_window`` gets the keys of that window, positioned by the mode under it.
-        """
-        frames = self._key_frames(cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window)
-        window = self.window if attention_window is None else attention_window
-        positions = dict(zip(frames, self._rope_mode.rule(frames, window, self.rope_offset(cache_tag))))
-        state = self._tags.get(cache_tag)
-        if state is not None and state.rope_cut is not None:
-            positions.update({start_frame + i: state.rope_cut + i for i in range(num_frames)})
-        return RopePositions(
-            tuple(positions[frame] for frame in frames),
-            tuple(positions[frame] for frame in range(start_frame, start_frame + num_frames)),
+        """Temporal RoPE positions of the keys a call attends to, in the order the engine returns them
+        (``in_place``: the slot order of a storage read in place), and of its queries
+        (:meth:`Ledger.key_positions <fastgen_diffusers.kv_cache.ledger.Ledger.key_positions>`)."""
+        return self.ledger.key_positions(
+            cache_tag,
+            start_frame,
+            num_frames,
+            first_chunk_frames,
+            in_place=in_place,
+            attention_window=attention_window,
         )
 
-    def _key_frames(
+    def check_call_window(
+        self, cache_tag: str, attention_window: AttentionWindow, start_frame: int, first_chunk_frames: int
+    ) -> None:
+        """Raise ``ValueError`` unless a call attending under its own ``attention_window`` sees only held frames: the
+        engine's window is then the *holding* window; such a call evicts nothing (stores still do)."""
+        self.ledger.check_call_window(cache_tag, attention_window, start_frame, first_chunk_frames)
+
+    # ------------------------------------------------------------------ the spec's per-block names
+    def get_self_prefix(
         self,
+        block_idx: int,
         cache_tag: str,
         start_frame: int,
-        num_frames: int,
-        first_chunk_frames: int,
-        in_place: bool,
+        first_chunk_frames: int = 1,
         attention_window: AttentionWindow | None = None,
-    ) -> list[int]:
-        """The frame of every key frame a call attends to, in the order the engine returns the keys: the gathered
-        prefix then the call's frames, or, read in place (:meth:`plan_call`), the storage's first slots in slot
-        order (the sink, then the ring, whose order is not frame order once the window has wrapped)."""
-        if in_place:
-            if not self.storage_class.fixed_slots:
-                raise ValueError(f"{type(self).__name__} has no in-place attention path.")
-            return list(self._slot_frames(start_frame + num_frames))
-        prefix = self.prefix_key_frames(cache_tag, start_frame, first_chunk_frames, attention_window)
-        return [*prefix, *range(start_frame, start_frame + num_frames)]
+    ):
+        """Cached ``(key, value)``, each ``(B, prefix_tokens, H, D)`` in frame order, visible to a call at
+        ``start_frame`` whose first chunk has ``first_chunk_frames`` frames, under the engine's window or the call's
+        own ``attention_window``; ``None`` when nothing is visible (what a :class:`PrefixView` gathers)."""
+        sink_end, recent_start = self.ledger.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
+        ranges = ((0, sink_end), (recent_start, start_frame))
+        keys, values = self._self_kv[block_idx][cache_tag].read(self.ledger.slot_ranges(ranges))
+        if not keys:
+            return None
+        if len(keys) == 1:
+            return keys[0], values[0]
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
-    # ------------------------------------------------------------------ one call: plan, views, store
-    def plan_call(
-        self,
-        cache_tag: str,
-        start_frame: int,
-        num_frames: int,
-        first_chunk_frames: int,
-        attention_window: AttentionWindow | None = None,
-    ) -> CallPlan:
-        """The plan of a call, shared by every block of the branch (once per forward, after :meth:`begin_call`):
-        whether attention reads the storage in place (:meth:`static_call`) or a gathered prefix."""
-        slots = self.static_call(cache_tag, start_frame, num_frames, first_chunk_frames, attention_window)
-        return CallPlan(cache_tag, start_frame, num_frames, first_chunk_frames, attention_window, slots)
+    def append_self_kv(
+        self, block_idx: int, cache_tag: str, key: torch.Tensor, value: torch.Tensor, start_frame: int
+    ) -> None:
+        """Store ``key``/``value`` ``(B, F*S, H, D)`` as frames ``[start_frame, start_frame + F)``; drop later ones."""
+        entry = self._self_kv[block_idx][cache_tag]
+        state = self.ledger.tags[cache_tag]
+        end_frame = start_frame + key.shape[1] // state.frame_seqlen
+        self._drop(entry, start_frame, max(state.num_frames, start_frame))
+        kept = self.ledger.store_window(cache_tag, start_frame, end_frame)
+        self._drop(entry, self.window.sink, state.evicted_before)
+        for frames in kept:
+            self._write(entry, state, key.detach(), value.detach(), start_frame, frames)
 
-    def cache_view(self, block_idx: int, plan: CallPlan, store: bool = False) -> SlotView | PrefixView:
-        """What block ``block_idx``'s self-attention reads for the call ``plan``: the storage read in place, or the
-        visible prefix gathered right before the block runs (``store``: it hands the call's K/V back for
-        :meth:`store`; written in place they need no hand-back)."""
-        if plan.slots is not None:
-            key, value = self._self_kv[block_idx][plan.cache_tag].view()
-            return SlotView(key, value, plan.slots.write_index, plan.slots.valid_length)
-        load = functools.partial(
-            self.get_self_prefix,
-            block_idx,
-            plan.cache_tag,
-            plan.start_frame,
-            plan.first_chunk_frames,
-            plan.attention_window,
-        )
-        return PrefixView(load, store=store)
-
-    def store(self, plan: CallPlan, views: Sequence[SlotView | PrefixView], chunk_layout: Sequence[int]) -> None:
-        """Store the call ``plan`` once every block has run, from each block's view (:meth:`cache_view`): K/V
-        written in place are only recorded, handed-back ones are appended (:meth:`append_self_kv`)."""
-        start, num_frames = plan.start_frame, plan.num_frames
-        if plan.slots is not None:
-            self._store_window(self._tags[plan.cache_tag], start, start + num_frames)
-        else:
-            for block_idx, view in enumerate(views):
-                self.append_self_kv(block_idx, plan.cache_tag, view.new_key, view.new_value, start)
-                view.new_key = view.new_value = None
-        self.commit_store(plan.cache_tag, start, num_frames, chunk_layout)
+    def commit_store(
+        self, cache_tag: str, start_frame: int, num_frames: int, chunk_layout: Sequence[int] | None = None
+    ) -> None:
+        """Record, once every block has appended, that frames ``[start_frame, start_frame + num_frames)`` exist, as
+        the chunks ``chunk_layout`` (frame counts; one chunk when ``None``), each a boundary a later call may use."""
+        self.ledger.commit_store(cache_tag, start_frame, num_frames, chunk_layout)
 
     def static_call(
         self,
@@ -609,29 +292,27 @@ class BaseKVCacheEngine:
         first_chunk_frames: int,
         attention_window: AttentionWindow | None = None,
     ) -> SlotPlan | None:
-        """The in-place part of :meth:`plan_call`: a :class:`SlotPlan` when attention can read the storage in place
-        (:meth:`~fastgen_diffusers.kv_cache.storage.KVStorage.view`), else ``None`` and the call gathers its prefix:
-        a storage with no in-place view (a list of runs, 8-bit data), a call not at the end of the cache, several
-        chunks, gradients on, a windowed recache, a call under its own ``attention_window`` (whose frames are not the
-        storage's holding window) or after a KV flush that dropped frames the window would show.
+        """The in-place part of :meth:`BaseKVCacheEngine.plan_call`: a :class:`SlotPlan` when attention can read the
+        storage in place (:meth:`~fastgen_diffusers.kv_cache.storage.KVStorage.view`), else ``None`` and the call
+        gathers its prefix: a storage with no in-place view (a list of runs, 8-bit data), gradients on, or a call
+        the ledger does not serve in place (:meth:`Ledger.reads_in_place
+        <fastgen_diffusers.kv_cache.ledger.Ledger.reads_in_place>`).
 
-        Slots that hold frames the open transaction must be able to restore are kept first, as :meth:`_write` does.
-        Built once per chunk (every step of a chunk and its store share it).
+        Slots that hold frames the open transaction must be able to restore are kept first, as a write does. Built
+        once per chunk (every step of a chunk and its store share it).
         """
-        state = self._tags.get(cache_tag)
-        if state is None or start_frame != state.num_frames or first_chunk_frames != num_frames:
+        ledger = self.ledger
+        if not self._self_kv or cache_tag not in self._self_kv[0]:
             return None
-        # a windowed recache attends to the held frames only, a per-call window to its own frames, not the buffers'
-        if state.recaching or attention_window is not None or not self._self_kv:
+        if not ledger.reads_in_place(cache_tag, start_frame, num_frames, first_chunk_frames, attention_window):
             return None
         view = self._self_kv[0][cache_tag].view()
         if view is None or torch.is_grad_enabled():
             return None
-        if state.flushed_before > self.window.visible(start_frame, num_frames)[1]:
-            return None  # a KV flush dropped frames the window would show: gather the held ones
+        state = ledger.tags[cache_tag]
         seqlen = state.frame_seqlen
         end_frame = start_frame + num_frames
-        runs = self._slot_runs(start_frame, end_frame)
+        runs = ledger.slot_runs(start_frame, end_frame)
         for per_tag in self._self_kv:
             entry = per_tag[cache_tag]
             for _, slot, count in runs:
@@ -645,25 +326,13 @@ class BaseKVCacheEngine:
         )
         valid_length = torch.empty(self.window.slots(end_frame) * seqlen, 0, device=state.device)
         torch._dynamo.maybe_mark_dynamic(valid_length, 0)
-        plan = SlotPlan(write_index, valid_length, self._slot_frames(end_frame), capacity // seqlen)
+        plan = SlotPlan(write_index, valid_length, ledger.slot_frames(end_frame), capacity // seqlen)
         self._last_slot_plan = (key, plan)
         return plan
 
-    def _slot_frames(self, end_frame: int) -> tuple[int, ...]:
-        """The frame each of the first ``window.slots(end_frame)`` slots holds once frames ``[0, end_frame)`` have
-        been written (the sink and the most recent frames under a window)."""
-        window = self.window
-        if window.all_seen_until(end_frame):
-            return tuple(range(end_frame))
-        frames = [0] * window.frames
-        for first, last in ((0, window.sink), (end_frame - window.room, end_frame)):
-            for frame, slot, count in self._slot_runs(first, last):
-                frames[slot : slot + count] = range(frame, frame + count)
-        return tuple(frames)
-
     def static_buffers(self, block_idx: int, cache_tag: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read-only view kept for external code: the K/V tensors of one block and tag's storage that attention reads
-        in place (:meth:`cache_view`); ``RuntimeError`` for a storage read only through a gathered prefix."""
+        """The K/V tensors of one block and tag's storage that attention reads in place (:meth:`cache_view`);
+        ``RuntimeError`` for a storage read only through a gathered prefix."""
         view = self._self_kv[block_idx][cache_tag].view()
         if view is None:
             raise RuntimeError(
@@ -672,131 +341,41 @@ class BaseKVCacheEngine:
             )
         return view
 
-    def _store_window(self, state: TagState, start_frame: int, end_frame: int) -> list[tuple[int, int]]:
-        """Frame ranges of a store of ``[start_frame, end_frame)`` that the engine keeps; records what it evicts.
-
-        Idempotent, so that every block's :meth:`append_self_kv` may call it.
-        """
-        if self.window.bounded:
-            # frames >= start_frame are replaced by this store; the window then evicts what precedes recent_start
-            recent_start = self.window.recent_start(end_frame)
-            state.evicted_before = max(min(state.evicted_before, start_frame), recent_start)
-        return self.window.kept_ranges(start_frame, end_frame)
-
-    def ensure_capacity(
-        self,
-        cache_tag: str,
-        *,
-        batch_size: int,
-        frame_seqlen: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        text_len: int,
-        image_len: int = 0,
-        max_frames: int | None = None,
-    ) -> None:
-        """Create the entries of ``cache_tag`` for every block if they do not exist yet.
-
-        Self entries start empty; cross entries start as zero K/V with ``is_init=False``. ``max_frames`` is the
-        number of frames the rollout will store at most (engines that preallocate use it).
-        """
-        state = self._tags.get(cache_tag)
-        if state is None:
-            state = self._tags.create(
-                cache_tag,
-                batch_size=batch_size,
-                frame_seqlen=frame_seqlen,
-                num_heads=num_heads,
-                head_dim=head_dim,
-                dtype=dtype,
-                device=torch.device(device),
-            )
-            for block_idx in range(self.num_blocks):
-                self._self_kv[block_idx][cache_tag] = self._new_self_entry(state, max_frames)
-        shape = (state.batch_size, state.num_heads, state.head_dim)
-        self.cross.ensure(cache_tag, shape, state.dtype, state.device, text_len, image_len)
-        self._reserve(state, cache_tag, max_frames)
-
-    def _reserve(self, state: TagState, cache_tag: str, max_frames: int | None) -> None:
-        """Preallocating engines grow their buffers here."""
-
-    def prefix_key_frames(
-        self,
-        cache_tag: str,
-        start_frame: int,
-        first_chunk_frames: int = 1,
-        attention_window: AttentionWindow | None = None,
-    ) -> list[int]:
-        """The latent frame of each frame of keys :meth:`get_self_prefix` returns, in its order (frame order)."""
-        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
-        return [*range(sink_end), *range(recent_start, start_frame)]
-
-    def get_self_prefix(
-        self,
-        block_idx: int,
-        cache_tag: str,
-        start_frame: int,
-        first_chunk_frames: int = 1,
-        attention_window: AttentionWindow | None = None,
-    ):
-        """Cached ``(key, value)``, each ``(B, prefix_tokens, H, D)`` in frame order, visible to a call at
-        ``start_frame`` whose first chunk has ``first_chunk_frames`` frames (the window shrinks as it grows), under
-        the engine's window or the call's own ``attention_window``.
-
-        ``None`` when nothing is visible. The attention path gathers it right before each block runs
-        (``SelfAttentionInputs.load``), unless the static engine serves the call in place (``static_call``).
-        """
-        keys, values = self._self_prefix_pieces(
-            block_idx, cache_tag, start_frame, first_chunk_frames, attention_window
-        )
-        if not keys:
-            return None
-        if len(keys) == 1:
-            return keys[0], values[0]
-        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
-
-    def commit_store(
-        self, cache_tag: str, start_frame: int, num_frames: int, chunk_layout: Sequence[int] | None = None
-    ) -> None:
-        """Record, once every block has appended, that frames ``[start_frame, start_frame + num_frames)`` exist, as
-        the chunks ``chunk_layout`` (frame counts; one chunk when ``None``), each a boundary a later call may use."""
-        self._tags.record_store(cache_tag, start_frame, num_frames, chunk_layout)
-        if self.window.bounded:
-            self._tags[cache_tag].forget_evicted_chunks(self.window.sink)
-
-    # ------------------------------------------------------------------ edits between forwards
-    def truncate(self, cache_tag: str, end_frame: int) -> None:
-        """Drop every frame ``>= end_frame`` of ``cache_tag`` (``end_frame`` must be a stored chunk boundary)."""
-        if not self._tags.check_truncate(cache_tag, end_frame):
-            return
-        state = self._tags[cache_tag]
-        for block_idx in range(self.num_blocks):
-            self._truncate_self_entry(self._self_kv[block_idx][cache_tag], state, end_frame)
-        self._tags.truncate(cache_tag, end_frame)
-
+    # ------------------------------------------------------------------ named edits
     def rewind(self, cache_tag: str, num_frames: int) -> None:
         """Drop the newest ``num_frames`` frames of ``cache_tag`` (a whole number of stored chunks)."""
-        stored = self.num_stored_frames(cache_tag)
+        stored = self.ledger.num_frames(cache_tag)
         if not 0 <= num_frames <= stored:
             raise ValueError(f"Cannot rewind {num_frames} frames: cache_tag {cache_tag!r} holds {stored} frames.")
         self.truncate(cache_tag, stored - num_frames)
 
-    def copy_tag(self, source_tag: str, target_tag: str) -> None:
-        """Give ``target_tag`` a copy of every entry of ``source_tag`` (fork a rollout from a shared prefix)."""
-        if source_tag not in self._tags:
-            raise ValueError(f"cache_tag {source_tag!r} holds nothing to copy; stored tags: {sorted(self._tags)}.")
-        self._tags.copy_tag(source_tag, target_tag)
-        for block_idx in range(self.num_blocks):
-            self._self_kv[block_idx][target_tag] = self._copy_self_entry(self._self_kv[block_idx][source_tag])
-        self.cross.copy_tag(source_tag, target_tag)
+    def skip_evicted(self, cache_tag: str, resume_frame: int) -> None:
+        """Open a windowed recache of ``cache_tag``: the frames ``[stored, resume_frame)`` count as stored and
+        evicted, so the next store may start at ``resume_frame``; until :meth:`end_recache`, calls attend to the
+        frames the tag holds (the sink and what the recache has re-stored) instead of raising for evicted ones.
 
-    # ------------------------------------------------------------------ RoPE re-basing
-    def rope_offset(self, cache_tag: str) -> int:
-        """Temporal RoPE positions of ``cache_tag`` are ``frame - rope_offset`` (0 until re-based)."""
-        state = self._tags.get(cache_tag)
-        return 0 if state is None else state.rope_offset
+        LongLive's recache under a window: only the chunks the window still holds are re-run, each seeing the sink
+        and the re-run chunks before it.
+        """
+        self._drop_all(cache_tag, *self.ledger.skip_evicted(cache_tag, resume_frame))
+
+    def end_recache(self, cache_tag: str) -> None:
+        """Close the windowed recache of ``cache_tag`` (:meth:`skip_evicted`): the usual rules apply again."""
+        self.ledger.end_recache(cache_tag)
+
+    def flush(self, cache_tag: str, keep_frames: int) -> None:
+        """KV flush: keep only the sink and the last ``keep_frames`` stored frames of ``cache_tag`` (Infinity-RoPE's
+        ``kv_flush`` at a prompt switch). Until the window slides past the dropped frames, calls attend to the held
+        frames only (the dropped ones are no error, as evicted frames of a windowed recache are not)."""
+        dropped = self.ledger.flush(cache_tag, keep_frames)
+        if dropped is not None:
+            self._drop_all(cache_tag, *dropped)
+
+    def set_rope_cut(self, cache_tag: str, position: int | None) -> None:
+        """Scene cut (Infinity-RoPE's ``rope_cut``): until set back to ``None``, the frames of each call of
+        ``cache_tag`` (queries and their own keys) sit at temporal positions ``position, position + 1, ...``; the
+        cached keys keep their positions. Needs keys stored before RoPE (the cut is not written into the cache)."""
+        self.ledger.set_rope_cut(cache_tag, position)
 
     def rebase_positions(
         self, cache_tag: str, rope_offset: int, rotate: Callable[[torch.Tensor], torch.Tensor]
@@ -806,14 +385,16 @@ class BaseKVCacheEngine:
         ``rotate`` maps ``(B, tokens, H, D)`` keys rotated for positions ``frame - old_offset`` to keys rotated for
         ``frame - rope_offset`` (a rotation by the difference on the temporal channels: RoPE rotations compose).
         """
-        state = self._tags.get(cache_tag)
+        state = self.ledger.state(cache_tag)
         if state is None:
             raise ValueError(f"cache_tag {cache_tag!r} holds nothing to re-base; stored tags: {sorted(self._tags)}.")
-        for block_idx in range(self.num_blocks):
-            self._rotate_self_entry(self._self_kv[block_idx][cache_tag], state, rotate)
+        for per_tag in self._self_kv:
+            entry = per_tag[cache_tag]
+            self._keep_for_undo(entry, 0, entry.num_slots, state.frame_seqlen)
+            entry.map_keys(rotate)
         state.rope_offset = rope_offset
 
-    # ------------------------------------------------------------------ cross-attention entries
+    # ------------------------------------------------------------------ the cross cache
     def cross_mode(
         self,
         cache_tag: str,
@@ -849,11 +430,324 @@ class BaseKVCacheEngine:
         """Forget the cross K/V of ``cache_tag`` (every tag when ``None``); the next ``store_kv`` call refills them."""
         self.cross.invalidate(list(self._tags) if cache_tag is None else [cache_tag])
 
-    # ------------------------------------------------------------------ self-attention storage
-    def _storage_dtype(self, state: TagState) -> torch.dtype:
-        """The dtype of the stored self K/V elements of a tag: ``kv_cache_dtype`` or the compute dtype."""
-        return self.kv_cache_dtype or state.dtype
+    # ------------------------------------------------------------------ byte counts
+    def self_cache_bytes(self, cache_tag: str | None = None) -> int:
+        """Bytes of the self-attention K/V held (all tags when ``cache_tag`` is ``None``): each storage's bytes for
+        the tag's :meth:`held_frames` (a preallocating storage counts the cache formula over them, never its
+        capacity: :meth:`allocated_self_cache_bytes`), scales of an 8-bit cache included
+        (:meth:`self_cache_scale_bytes`)."""
+        return sum(
+            entry.held_bytes(self.ledger.held_frames(tag))
+            for per_tag in self._self_kv
+            for tag, entry in per_tag.items()
+            if cache_tag is None or tag == cache_tag
+        )
 
+    def self_cache_scale_bytes(self, cache_tag: str | None = None) -> int:
+        """Bytes of the float32 scales of an 8-bit cache held (0 without ``kv_cache_dtype``), part of
+        :meth:`self_cache_bytes`: :func:`~fastgen_diffusers.kv_cache.accounting.expected_scale_bytes` over the
+        :meth:`held_frames`."""
+        if self.kv_cache_dtype is None:
+            return 0
+        return sum(
+            expected_scale_bytes(self.num_blocks, state.batch_size, state.num_heads, self.held_frames(tag))
+            for tag, state in self._tags.items()
+            if cache_tag is None or tag == cache_tag
+        )
+
+    def allocated_self_cache_bytes(self, cache_tag: str | None = None) -> int:
+        """Bytes of the self-attention tensors the engine has allocated (preallocating engines: their capacity)."""
+        return sum(
+            entry.nbytes
+            for per_tag in self._self_kv
+            for tag, entry in per_tag.items()
+            if cache_tag is None or tag == cache_tag
+        )
+
+    def cross_cache_bytes(self, cache_tag: str | None = None) -> int:
+        """Bytes held by cross-attention K/V (all tags when ``cache_tag`` is ``None``)."""
+        return self.cross.nbytes(cache_tag)
+
+    def cache_bytes(self, cache_tag: str | None = None) -> int:
+        return self.self_cache_bytes(cache_tag) + self.cross_cache_bytes(cache_tag)
+
+
+class BaseKVCacheEngine(EngineViews):
+    """A ledger (:class:`~fastgen_diffusers.kv_cache.ledger.Ledger`) over one self-attention storage per block and tag
+    (:attr:`storage_class`, with the engine's codec: the compute dtype or 8-bit) and a cross cache.
+
+    The engine asks the ledger what a call or an edit does (frames, slots, evictions, the sink rule's fold) and
+    applies it with the storage's operations only, the same for every storage; a storage written in place gets its
+    overwritten slots kept in the open :class:`Transaction` first.
+
+    Args:
+        window_frames: attend to at most this many latent frames per chunk (its own frames and the sink included);
+            ``None`` keeps and attends to every frame.
+        sink_frames: the first frames of the video, kept and attended to for ever (needs ``window_frames``).
+        rope_positions: temporal RoPE positions of the keys (:mod:`~fastgen_diffusers.kv_cache.positions`):
+            ``"absolute"`` (keys stored after RoPE at their frame) or ``"window"`` (keys stored before RoPE and rotated
+            at read time by their slot in ``[sink | recent | call]``; needs ``window_frames``).
+        sink_update: ``"fixed"`` (the sink keeps its first K/V) or ``"ema"``: when frames leave the window, per tag
+            and block, ``sink = sink_decay * sink + (1 - sink_decay) * evicted`` for K and V (needs sink frames and
+            keys stored before RoPE; see :meth:`begin_call`).
+        sink_decay: the EMA's decay in ``(0, 1)`` (Reward Forcing: 0.999).
+        kv_cache_dtype: ``None`` (default: self K/V stored in the compute dtype) or an 8-bit storage dtype,
+            ``torch.float8_e4m3fn`` or ``torch.int8`` (or its name): completed frames are stored quantized with one
+            float32 scale per (sample, frame, head) (:mod:`~fastgen_diffusers.kv_cache.quantize`) and dequantized
+            on read; a call's own K/V stay in the compute dtype. Inference only: a forward with gradients enabled
+            is an error. Cross-attention K/V are not quantized.
+    """
+
+    storage_class: type[KVStorage] = ChunkListStorage
+
+    def __init__(
+        self,
+        *,
+        window_frames: int | None = None,
+        sink_frames: int = 0,
+        # window-relative RoPE and EMA sink (Reward Forcing)
+        rope_positions: str = "absolute",
+        sink_update: str = "fixed",
+        sink_decay: float = 0.999,
+        # 8-bit KV cache
+        kv_cache_dtype: torch.dtype | str | None = None,
+    ) -> None:
+        self.window = AttentionWindow.from_arguments(window_frames, sink_frames, frames_name="window_frames")
+        rope_mode = check_rope_and_sink_settings(self.window, rope_positions, sink_update, sink_decay)
+        self.rope_positions = rope_positions
+        self.sink_update = sink_update
+        self.sink_decay = float(sink_decay)
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, sink_update)
+        sink = SinkRule(self.window.sink, sink_update, self.sink_decay)
+        self.ledger = Ledger(self.window, sink, rope_mode, rope_positions, self.storage_class.fixed_slots)
+        self._codec = codec_for(self.kv_cache_dtype)
+        self.blocks = BlockRegistry()
+        self._mask_memo: BlockMaskMemo | None = None
+        self._self_kv: list[dict[str, KVStorage]] = []
+        self.cross = CrossKVCache()
+        self._transaction: Transaction | None = None
+        self._last_slot_plan: tuple[tuple, SlotPlan] | None = None
+
+    # ------------------------------------------------------------------ registration
+    def register_blocks(self, blocks: Sequence[nn.Module], block_masks: BlockMaskMemo | None = None) -> None:
+        """Register the ``attn1``/``attn2`` modules of ``blocks``; ``blocks[i]`` becomes block index ``i``.
+
+        ``block_masks``: the model's mask memo, which the spec's ``_block_masks`` view reads. Registering again
+        replaces the previous registration and empties the cache.
+        """
+        self.blocks = BlockRegistry(blocks)
+        self._mask_memo = block_masks
+        self.clear()
+
+    # ------------------------------------------------------------------ one forward
+    def check_call(
+        self,
+        cache_tag: str,
+        *,
+        start_frame: int,
+        batch_size: int,
+        frame_seqlen: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        chunk_layout: tuple[int, ...] = (1,),
+        attention_window: AttentionWindow | None = None,
+        store_kv: bool = False,
+    ) -> None:
+        """Raise ``ValueError`` if a call cannot be served by what ``cache_tag`` holds. Writes nothing.
+
+        ``chunk_layout`` is the call's split into chunks (frame counts); windowed engines check that each chunk fits
+        the window and that the frames its first chunk attends to are still held. With ``sink_update="ema"`` the
+        frames the call evicts must be as many as the sink's (see :meth:`begin_call`). ``attention_window`` is the
+        call's own window (:meth:`EngineViews.check_call_window`), checked instead of the engine's. With keys stored
+        before RoPE, a call of several chunks must give each chunk its chunk-by-chunk key positions.
+        """
+        if self.kv_cache_dtype is not None and torch.is_grad_enabled():
+            raise ValueError(
+                f"An 8-bit KV cache (`kv_cache_dtype={self.kv_cache_dtype}`) serves inference only: run the forward "
+                "under `torch.no_grad()` or `torch.inference_mode()`, or use engines without `kv_cache_dtype`."
+            )
+        layout = {
+            "batch_size": batch_size,
+            "frame_seqlen": frame_seqlen,
+            "num_heads": num_heads,
+            "head_dim": head_dim,
+            "dtype": dtype,
+            "device": torch.device(device),
+        }
+        self.ledger.check_call(cache_tag, start_frame, chunk_layout, layout, attention_window, store_kv)
+
+    def ensure_capacity(
+        self,
+        cache_tag: str,
+        *,
+        batch_size: int,
+        frame_seqlen: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        text_len: int,
+        image_len: int = 0,
+        max_frames: int | None = None,
+    ) -> None:
+        """Create the entries of ``cache_tag`` for every block if they do not exist yet (the spec's name for
+        reserving).
+
+        Self entries start empty; cross entries start as zero K/V with ``is_init=False``. ``max_frames`` is the
+        number of frames the rollout will store at most (storages that preallocate reserve them).
+        """
+        state = self.ledger.state(cache_tag)
+        if state is None:
+            state = self.ledger.tags.create(
+                cache_tag,
+                batch_size=batch_size,
+                frame_seqlen=frame_seqlen,
+                num_heads=num_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                device=torch.device(device),
+            )
+            for block_idx in range(self.num_blocks):
+                self._self_kv[block_idx][cache_tag] = self._new_self_entry(state, max_frames)
+        shape = (state.batch_size, state.num_heads, state.head_dim)
+        self.cross.ensure(cache_tag, shape, state.dtype, state.device, text_len, image_len)
+        self._reserve(state, cache_tag, max_frames)
+
+    def begin_transaction(self, cache_tag: str) -> None:
+        """Remember what ``cache_tag`` holds, so that :meth:`rollback` restores it exactly.
+
+        The model opens one transaction per forward before its first engine operation and ends it once the
+        forward's writes are committed; a forward that fails midway is rolled back. For storages written in place
+        it also notes which slots hold frames the tag holds now: an in-place write to them during the transaction
+        first keeps their contents (:meth:`_keep_for_undo`); writes to free slots keep nothing.
+        """
+        state = self.ledger.state(cache_tag)
+        self._transaction = Transaction(
+            cache_tag,
+            None if state is None else state.copy(),
+            [None if entry is None else entry.snapshot() for entry in (t.get(cache_tag) for t in self._self_kv)],
+            self.cross.snapshot(cache_tag),
+        )
+        if self.storage_class.writes_in_place:
+            self._transaction.extra.update(held_slots=self.ledger.held_slots(cache_tag), unsaved={})
+
+    def begin_call(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        first_chunk_frames: int,
+        attention_window: AttentionWindow | None = None,
+    ) -> None:
+        """Evict (windowed engines) the non-sink frames before the window of a call about to run.
+
+        Called once per forward, after :meth:`ensure_capacity` and before the blocks run, so that every block of the
+        branch evicts the same frames. The ledger's sink rule may first fold the evicted frames into the sink: with
+        ``sink_update="ema"`` the evicted frames ``e`` (exactly ``sink_frames`` of them, checked by
+        :meth:`check_call`), per block, K and V alike: ``sink[i] = sink_decay * sink[i] + (1 - sink_decay) * e[i]``
+        (Reward Forcing's update at the first forward of a chunk that evicts; every call of that chunk then sees the
+        updated sink). Inside the forward's transaction, so a failed forward restores the sink. A windowed recache
+        folds nothing. A call under its own ``attention_window`` evicts nothing.
+        """
+        eviction = self.ledger.begin_call(cache_tag, start_frame, first_chunk_frames, attention_window)
+        if eviction is None:
+            return
+        if eviction.fold is not None:
+            self._fold_into_sink(cache_tag, *eviction.fold)
+        self._drop_all(cache_tag, self.window.sink, eviction.last)
+
+    def plan_call(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        num_frames: int,
+        first_chunk_frames: int,
+        attention_window: AttentionWindow | None = None,
+    ) -> CallPlan:
+        """The plan of a call, shared by every block of the branch (once per forward, after :meth:`begin_call`):
+        whether attention reads the storage in place (:meth:`EngineViews.static_call`) or a gathered prefix."""
+        slots = self.static_call(cache_tag, start_frame, num_frames, first_chunk_frames, attention_window)
+        return CallPlan(cache_tag, start_frame, num_frames, first_chunk_frames, attention_window, slots)
+
+    def cache_view(self, block_idx: int, plan: CallPlan, store: bool = False) -> SlotView | PrefixView:
+        """What block ``block_idx``'s self-attention reads for the call ``plan``: the storage read in place, or the
+        visible prefix gathered right before the block runs (``store``: it hands the call's K/V back for
+        :meth:`store`; written in place they need no hand-back)."""
+        if plan.slots is not None:
+            key, value = self._self_kv[block_idx][plan.cache_tag].view()
+            return SlotView(key, value, plan.slots.write_index, plan.slots.valid_length)
+        load = functools.partial(
+            self.get_self_prefix,
+            block_idx,
+            plan.cache_tag,
+            plan.start_frame,
+            plan.first_chunk_frames,
+            plan.attention_window,
+        )
+        return PrefixView(load, store=store)
+
+    def store(self, plan: CallPlan, views: Sequence[SlotView | PrefixView], chunk_layout: Sequence[int]) -> None:
+        """Store the call ``plan`` once every block has run, from each block's view (:meth:`cache_view`): K/V
+        written in place are only recorded, handed-back ones are appended (:meth:`EngineViews.append_self_kv`)."""
+        start, num_frames = plan.start_frame, plan.num_frames
+        if plan.slots is not None:
+            self.ledger.store_window(plan.cache_tag, start, start + num_frames)
+        else:
+            for block_idx, view in enumerate(views):
+                self.append_self_kv(block_idx, plan.cache_tag, view.new_key, view.new_value, start)
+                view.new_key = view.new_value = None
+        self.commit_store(plan.cache_tag, start, num_frames, chunk_layout)
+
+    def end_transaction(self) -> None:
+        """Keep what the forward wrote (nothing is undone after this)."""
+        self._transaction = None
+
+    def rollback(self) -> None:
+        """Restore the tag of the open transaction to what it held when the transaction began, and end it."""
+        transaction, self._transaction = self._transaction, None
+        if transaction is None:
+            return
+        for undo in reversed(transaction.undo):
+            undo()
+        tag = transaction.cache_tag
+        self.ledger.tags.set(tag, transaction.state)
+        for per_tag, restore in zip(self._self_kv, transaction.self_entries):
+            if restore is None:
+                per_tag.pop(tag, None)
+            else:
+                per_tag[tag] = restore()
+        self.cross.restore(tag, transaction.cross)
+
+    # ------------------------------------------------------------------ edits between forwards
+    def truncate(self, cache_tag: str, end_frame: int) -> None:
+        """Drop every frame ``>= end_frame`` of ``cache_tag`` (``end_frame`` must be a stored chunk boundary)."""
+        dropped = self.ledger.truncate(cache_tag, end_frame)
+        if dropped is not None:
+            self._drop_all(cache_tag, *dropped)
+
+    def copy_tag(self, source_tag: str, target_tag: str) -> None:
+        """Give ``target_tag`` a copy of every entry of ``source_tag`` (fork a rollout from a shared prefix)."""
+        if source_tag not in self._tags:
+            raise ValueError(f"cache_tag {source_tag!r} holds nothing to copy; stored tags: {sorted(self._tags)}.")
+        self.ledger.tags.copy_tag(source_tag, target_tag)
+        for per_tag in self._self_kv:
+            per_tag[target_tag] = per_tag[source_tag].copy()
+        self.cross.copy_tag(source_tag, target_tag)
+
+    def clear(self, cache_tag: str | None = None) -> None:
+        """Free the entries of ``cache_tag`` (every tag when ``None``)."""
+        if cache_tag is None:
+            self._self_kv = [{} for _ in range(self.num_blocks)]
+            self.cross = CrossKVCache(self.num_blocks)
+            self.ledger.tags.remove()
+            return
+        self.ledger.tags.remove(cache_tag)
+        self.cross.remove(cache_tag)
+        for per_tag in self._self_kv:
+            per_tag.pop(cache_tag, None)
+
+    # ------------------------------------------------------------------ applying the ledger to the storages
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> KVStorage:
         """A new, empty storage of one block and tag (:attr:`storage_class`, with the engine's codec)."""
         layout = StorageLayout(
@@ -861,55 +755,16 @@ class BaseKVCacheEngine:
         )
         return self.storage_class(layout, self._codec, self._initial_slots(max_frames))
 
+    def _storage_dtype(self, state: TagState) -> torch.dtype:
+        """The dtype of the stored self K/V elements of a tag: ``kv_cache_dtype`` or the compute dtype."""
+        return self.kv_cache_dtype or state.dtype
+
     def _initial_slots(self, max_frames: int | None) -> int:
         """Slots a new storage allocates up front (storages that grow per write ignore it)."""
         return 0
 
-    def _slot_runs(self, first: int, last: int) -> list[tuple[int, int, int]]:
-        """``(frame, slot, count)`` runs covering frames ``[first, last)``: a storage of fixed slots holds frame
-        ``f`` at slot ``f`` without a window, else the sink at its frames and every later frame at
-        ``sink + (f - sink) % (window - sink)`` (a ring); any other storage at slot ``f`` (at most
-        ``window - sink`` non-sink frames when the range passes the window)."""
-        if first >= last:
-            return []
-        window = self.window
-        if not self.storage_class.fixed_slots or window.all_seen_until(last):
-            return [(first, first, last - first)]
-        runs = []
-        if first < window.sink:
-            runs.append((first, first, window.sink - first))
-            first = window.sink
-        slot = window.sink + (first - window.sink) % window.room
-        count = min(last - first, window.frames - slot)
-        runs.append((first, slot, count))
-        if first + count < last:
-            runs.append((first + count, window.sink, last - first - count))
-        return runs
-
-    def _slot_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The slot ranges holding the frames of the ascending frame ranges ``ranges``, in frame order."""
-        return [(slot, slot + count) for first, last in ranges for _, slot, count in self._slot_runs(first, last)]
-
-    def _frame_pieces(
-        self, entry: KVStorage, state: TagState, ranges: Sequence[tuple[int, int]]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The held frames of ``entry`` in the ascending, disjoint frame ranges ``ranges`` (``[first, last)`` each), as
-        K and V pieces ``(B, tokens, H, D)`` in frame order, decoded to the compute dtype (views where the storage
-        allows)."""
-        return entry.read(self._slot_ranges(ranges))
-
-    def _self_prefix_pieces(
-        self,
-        block_idx: int,
-        cache_tag: str,
-        start_frame: int,
-        first_chunk_frames: int,
-        attention_window: AttentionWindow | None = None,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The visible cached K and V pieces, each ``(B, tokens, H, D)``, in frame order (:meth:`held_visible`)."""
-        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
-        ranges = ((0, sink_end), (recent_start, start_frame))
-        return self._frame_pieces(self._self_kv[block_idx][cache_tag], self._tags[cache_tag], ranges)
+    def _reserve(self, state: TagState, cache_tag: str, max_frames: int | None) -> None:
+        """Preallocating engines grow their storages here."""
 
     def _write(
         self, entry: KVStorage, state: TagState, key: torch.Tensor, value: torch.Tensor, key_start: int, frames
@@ -918,56 +773,35 @@ class BaseKVCacheEngine:
         keeping for the open transaction what an in-place write overwrites."""
         first, last = frames
         seqlen = state.frame_seqlen
-        for frame, slot, count in self._slot_runs(first, last):
+        for frame, slot, count in self.ledger.slot_runs(first, last):
             self._keep_for_undo(entry, slot, slot + count, seqlen)
             src = slice((frame - key_start) * seqlen, (frame - key_start + count) * seqlen)
             entry.write(slot, key[:, src], value[:, src])
 
-    def _evict_frames(self, entry: KVStorage, first: int, last: int) -> None:
-        """Frames ``[first, last)`` of ``entry`` are gone: free their slots (a ring's slots are overwritten instead;
-        only its last ``window - sink`` non-sink frames can be in it)."""
-        if first >= last:
-            return
-        if self.storage_class.fixed_slots and self.window.bounded and first >= self.window.sink:
-            first = max(first, last - self.window.room)
-        for start, stop in self._slot_ranges(((first, last),)):
+    def _drop(self, entry: KVStorage, first: int, last: int) -> None:
+        """Frames ``[first, last)`` of one storage are gone: free their slots."""
+        for start, stop in self.ledger.freed_slot_ranges(first, last):
             entry.evict(start, stop)
 
-    def append_self_kv(
-        self, block_idx: int, cache_tag: str, key: torch.Tensor, value: torch.Tensor, start_frame: int
-    ) -> None:
-        """Store ``key``/``value`` ``(B, F*S, H, D)`` as frames ``[start_frame, start_frame + F)``; drop later ones."""
-        entry = self._self_kv[block_idx][cache_tag]
-        state = self._tags[cache_tag]
-        end_frame = start_frame + key.shape[1] // state.frame_seqlen
-        self._evict_frames(entry, start_frame, max(state.num_frames, start_frame))
-        kept = self._store_window(state, start_frame, end_frame)
-        self._evict_self_entry(entry, state, state.evicted_before)
-        for frames in kept:
-            self._write(entry, state, key.detach(), value.detach(), start_frame, frames)
+    def _drop_all(self, cache_tag: str, first: int, last: int) -> None:
+        for per_tag in self._self_kv:
+            self._drop(per_tag[cache_tag], first, last)
 
-    def _truncate_self_entry(self, entry: KVStorage, state: TagState, end_frame: int) -> None:
-        self._evict_frames(entry, end_frame, state.num_frames)
-
-    def _frames_kv(self, entry: Any, state: TagState, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _frames_kv(self, entry: KVStorage, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Held frames ``[first, last)`` of ``entry`` as ``(key, value)`` ``(B, (last - first) * S, H, D)``."""
-        keys, values = self._frame_pieces(entry, state, ((first, last),))
+        keys, values = entry.read(self.ledger.slot_ranges(((first, last),)))
         return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
-    def _replace_sink(self, entry: KVStorage, state: TagState, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Replace the K/V of the first sink frames of ``entry`` by ``key``/``value`` (undone by :meth:`rollback`)."""
-        self._write(entry, state, key, value, 0, (0, key.shape[1] // state.frame_seqlen))
-
-    def _evict_self_entry(self, entry: KVStorage, state: TagState, before: int) -> None:
-        """Drop the non-sink frames ``< before`` (windowed engines)."""
-        self._evict_frames(entry, self.window.sink, before)
-
-    def _rotate_self_entry(
-        self, entry: KVStorage, state: TagState, rotate: Callable[[torch.Tensor], torch.Tensor]
-    ) -> None:
-        """Replace every cached key ``k`` ``(B, tokens, H, D)`` by ``rotate(k)`` (RoPE re-basing)."""
-        self._keep_for_undo(entry, 0, entry.num_slots, state.frame_seqlen)
-        entry.map_keys(rotate)
+    def _fold_into_sink(self, cache_tag: str, pinned: tuple[int, int], evicted: tuple[int, int]) -> None:
+        """EMA of the evicted frames into the pinned frames (the sink rule's fold), every block."""
+        decay = self.ledger.sink.decay
+        state = self.ledger.tags[cache_tag]
+        for per_tag in self._self_kv:
+            entry = per_tag[cache_tag]
+            sink_key, sink_value = self._frames_kv(entry, *pinned)
+            key, value = self._frames_kv(entry, *evicted)
+            new_key, new_value = ema_update(sink_key, key, decay), ema_update(sink_value, value, decay)
+            self._write(entry, state, new_key, new_value, pinned[0], pinned)
 
     def _keep_for_undo(self, entry: KVStorage, first_slot: int, last_slot: int, seqlen: int) -> None:
         """Before slots ``[first_slot, last_slot)`` of a storage written in place are overwritten in an open
@@ -986,60 +820,6 @@ class BaseKVCacheEngine:
             transaction.undo.append(entry.saved(first, last))
             remaining += [r for r in ((low, first), (last, high)) if r[0] < r[1]]
         transaction.extra["unsaved"][id(entry)] = remaining
-
-    def _copy_self_entry(self, entry: KVStorage) -> KVStorage:
-        return entry.copy()
-
-    def _self_entry_tensors(self, entry: KVStorage) -> list[torch.Tensor]:
-        return entry.tensors()
-
-    # ------------------------------------------------------------------ memory and lifetime
-    def self_cache_bytes(self, cache_tag: str | None = None) -> int:
-        """Bytes of the self-attention K/V held (all tags when ``cache_tag`` is ``None``): the cache formula
-        (:func:`~fastgen_diffusers.kv_cache.accounting.expected_self_cache_bytes`) over the :meth:`held_frames`
-        tokens, in the storage dtype, plus the scales of an 8-bit cache (:meth:`self_cache_scale_bytes`)."""
-        return self.allocated_self_cache_bytes(cache_tag)
-
-    def self_cache_scale_bytes(self, cache_tag: str | None = None) -> int:
-        """Bytes of the float32 scales of an 8-bit cache held (0 without ``kv_cache_dtype``), part of
-        :meth:`self_cache_bytes`: :func:`~fastgen_diffusers.kv_cache.accounting.expected_scale_bytes` over the
-        :meth:`held_frames`."""
-        if self.kv_cache_dtype is None:
-            return 0
-        return sum(
-            expected_scale_bytes(self.num_blocks, state.batch_size, state.num_heads, self.held_frames(tag))
-            for tag, state in self._tags.items()
-            if cache_tag is None or tag == cache_tag
-        )
-
-    def allocated_self_cache_bytes(self, cache_tag: str | None = None) -> int:
-        """Bytes of the self-attention tensors the engine has allocated (preallocating engines: their capacity)."""
-        return tensor_bytes(
-            t
-            for per_tag in self._self_kv
-            for tag, entry in per_tag.items()
-            if cache_tag is None or tag == cache_tag
-            for t in self._self_entry_tensors(entry)
-        )
-
-    def cross_cache_bytes(self, cache_tag: str | None = None) -> int:
-        """Bytes held by cross-attention K/V (all tags when ``cache_tag`` is ``None``)."""
-        return self.cross.nbytes(cache_tag)
-
-    def cache_bytes(self, cache_tag: str | None = None) -> int:
-        return self.self_cache_bytes(cache_tag) + self.cross_cache_bytes(cache_tag)
-
-    def clear(self, cache_tag: str | None = None) -> None:
-        """Free the entries of ``cache_tag`` (every tag when ``None``)."""
-        if cache_tag is None:
-            self._self_kv = [{} for _ in range(self.num_blocks)]
-            self.cross = CrossKVCache(self.num_blocks)
-            self._tags.remove()
-            return
-        self._tags.remove(cache_tag)
-        self.cross.remove(cache_tag)
-        for per_tag in self._self_kv:
-            per_tag.pop(cache_tag, None)
 
     def __repr__(self) -> str:
         tags = {tag: state.num_frames for tag, state in self._tags.items()}

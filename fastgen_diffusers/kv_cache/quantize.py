@@ -13,9 +13,9 @@ copied frame by frame), per head because heads differ in range, and per batch sa
 depend on the other videos of its batch. They cost ``4 / (S * D)`` bytes per element (0.002% for Wan2.1-1.3B at
 480x832).
 
-The engines quantize and dequantize only through :meth:`BaseKVCacheEngine._encode_kv` and
-:meth:`BaseKVCacheEngine._decode_kv`; everything else handles :class:`QuantizedFrames` like a tensor of tokens
-(slice by whole frames, copy into, clone).
+Storages quantize and dequantize only through their codec
+(:class:`~fastgen_diffusers.kv_cache.storage.QuantizedCodec`); everything else handles :class:`QuantizedFrames` like
+a tensor of tokens (slice by whole frames, copy into, clone).
 """
 
 from __future__ import annotations

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import torch
 
-from .accounting import expected_self_cache_bytes
 from .base import BaseKVCacheEngine
 from .plan import SlotPlan
 from .storage import SlotCopy, SlotStorage
@@ -105,20 +104,3 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         needed = self._capacity_for(max_frames)
         for per_tag in self._self_kv:
             per_tag[cache_tag].reserve(needed, most=self.window.frames)
-
-    # ------------------------------------------------------------------ memory
-    def self_cache_bytes(self, cache_tag: str | None = None) -> int:
-        """Bytes of the K/V held: the cache formula over :meth:`held_frames` in the storage dtype, plus the scales
-        of an 8-bit cache (never the allocated capacity, which :meth:`allocated_self_cache_bytes` reports)."""
-        return self.self_cache_scale_bytes(cache_tag) + sum(
-            expected_self_cache_bytes(
-                self.num_blocks,
-                state.batch_size,
-                state.num_heads,
-                self.held_frames(tag) * state.frame_seqlen,
-                state.head_dim,
-                self._storage_dtype(state),
-            )
-            for tag, state in self._tags.items()
-            if cache_tag is None or tag == cache_tag
-        )

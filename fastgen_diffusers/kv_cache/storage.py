@@ -15,7 +15,7 @@ positions. Every storage implements the same operations:
 ``map_keys(fn)``          replace every held key ``k`` by ``fn(k)`` (RoPE re-basing)
 ``copy()``                an independent storage with the same contents (a fork)
 ``clear()``               hold nothing
-``nbytes``                bytes of the tensors allocated (8-bit data and scales included)
+``nbytes``, ``held_bytes``  bytes allocated, and bytes of the K/V of a number of held slots (scales included)
 ``snapshot()``            a function giving the storage back as it is now (for a transaction's rollback)
 ``saved(first, last)``    for storages written in place: an undo of a write to slots ``[first, last)``
 ========================  ================================================================================
@@ -187,7 +187,12 @@ class KVStorage:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tensors allocated."""
         return tensor_bytes(self.tensors())
+
+    def held_bytes(self, held_slots: int) -> int:
+        """Bytes of the K/V of ``held_slots`` held slots: what a storage that frees what it drops has allocated."""
+        return self.nbytes
 
     def snapshot(self) -> Callable[[], KVStorage]:
         """A function that gives back this storage as it is now (with :meth:`saved` undoing in-place writes)."""
@@ -215,6 +220,16 @@ class SlotStorage(KVStorage):
     def num_slots(self) -> int:
         """Slots allocated (the capacity)."""
         return self.key.shape[1] // self.layout.frame_seqlen
+
+    def held_bytes(self, held_slots: int) -> int:
+        """The cache formula over ``held_slots`` slots (never the capacity, which :attr:`nbytes` counts): K and V
+        elements in the storage dtype, plus one float32 scale per (sample, slot, head) each under an 8-bit codec."""
+        layout = self.layout
+        data = self.key.data if isinstance(self.key, QuantizedFrames) else self.key
+        per_slot = layout.batch_size * layout.frame_seqlen * layout.num_heads * layout.head_dim * data.element_size()
+        if isinstance(self.key, QuantizedFrames):
+            per_slot += layout.batch_size * layout.num_heads * self.key.scale.element_size()
+        return 2 * held_slots * per_slot
 
     def reserve(self, slots: int, most: int | None = None) -> None:
         """Grow to at least twice the capacity (at most ``most`` slots, at least ``slots``) when ``slots`` do not

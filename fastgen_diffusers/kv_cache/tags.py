@@ -1,7 +1,8 @@
 """Tag bookkeeping: what each cache tag holds (layout, stored chunks, window position), apart from the tensors.
 
-As llama.cpp keeps its cells (which position is where) apart from the K/V storage, an engine keeps one
-:class:`TagTable` that answers every question about frames and boundaries; the storage only holds tensors.
+As llama.cpp keeps its cells (which position is where) apart from the K/V storage, an engine's ledger
+(:mod:`~fastgen_diffusers.kv_cache.ledger`) keeps one :class:`TagTable` that answers every question about frames and
+boundaries; the storage only holds tensors. Torch-free, like the ledger.
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .window import AttentionWindow
+
+if TYPE_CHECKING:  # the bookkeeping imports no torch; layouts name a dtype and a device
+    import torch
 
 
 @dataclass
@@ -146,7 +148,7 @@ class TagTable:
         if check_held and not state.recaching and state.evicted_before > state.flushed_before:
             window.check_held(start_frame, chunk_layout[0], state.evicted_before, f"cache_tag {cache_tag!r}")
         for name, expected in state.layout().items():
-            given = torch.device(layout[name]) if name == "device" else layout[name]
+            given = layout[name]  # a torch.device for "device" (the engine normalizes it)
             if given != expected:
                 hint = " (a different resolution)" if name == "frame_seqlen" else ""
                 raise ValueError(
