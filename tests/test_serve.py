@@ -677,6 +677,7 @@ def test_a_live_prompt_change_the_policy_cannot_serve_gets_its_settings_error_an
     (error,) = [m for m in others if m["type"] == "error"]
     assert "`kv_cache_policy='rolling'` denoises several chunks in one forward" in error["message"]
     assert not error["fatal"] and [meta["index"] for meta, _ in chunks] == list(range(5))
+    assert not [m for m in others if m["type"] == "dropped"]  # refused before anything queued was purged
 
 
 @pytest.mark.parametrize(

@@ -232,7 +232,10 @@ def handle_text(text: str, session, manager: SessionManager) -> None:
     if num_frames is not None and (isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1):
         raise ValueError(f"`num_frames` must be a positive whole number or null (endless), got {num_frames!r}.")
     if num_frames is not None and num_frames > manager.max_frames:
-        raise ValueError(f"`num_frames` may be at most {manager.max_frames} (--max-frames), got {num_frames}.")
+        raise ValueError(
+            f"`num_frames` may be at most {manager.max_frames} (--max-frames), got {num_frames}; null streams until "
+            "`stop`."
+        )
     settings = session_settings(
         message.get("settings"), manager.session_defaults, manager.rollout_defaults, video=source == "video"
     )

@@ -239,7 +239,14 @@ class SessionManager:
     def request_prompt(self, session: Session, prompt: str, transition_chunks: int | None) -> None:
         """Switch the prompt from the next chunk not yet begun. The chunks queued for the client (generated under
         the old prompt, not yet being sent) are purged and reported as ``dropped``; the chunk being generated, begun
-        before this message, is still sent."""
+        before this message, is still sent.
+
+        Raises:
+            ValueError: the running stream's settings serve no prompt switch (their own message); nothing is purged.
+        """
+        run = session.run
+        if run is not None and session.start_request is None:
+            check_prompt_switch(run, session.frames_sent)
         with self._cond:
             session.prompt_request = (prompt, transition_chunks)  # a later change replaces one not applied yet
             purged = session.purge()
@@ -482,8 +489,7 @@ class SessionManager:
             return
         prompt, transition_chunks = request
         pipe, run = session.pipe, session.run
-        rollout = run.options.settings  # the run's resolved settings say whether they serve a prompt switch
-        rollout.with_arguments(rollout.arguments(), switch_frames=(max(session.frames_sent, 1),))
+        check_prompt_switch(run, session.frames_sent)
         device = pipe._execution_device
         embeds = pipe.encode_prompt_switches({0: prompt}, run.session.prompt_embeds, self.max_sequence_length, device)
         run.switch_prompt(session.next_chunk, embeds[0], transition_chunks)
@@ -541,6 +547,13 @@ class SessionManager:
         if session.num_frames is not None and session.frames_sent >= session.num_frames:
             self._end_run(session)
             session.post(("json", {"type": "stopped"}))
+
+
+def check_prompt_switch(run: Any, frame: int) -> None:
+    """Ask ``run``'s resolved settings whether they serve a prompt switch at pixel frame ``frame``: ``ValueError`` with
+    their own message when not (a policy that denoises several chunks in one forward)."""
+    rollout = run.options.settings
+    rollout.with_arguments(rollout.arguments(), switch_frames=(max(frame, 1),))
 
 
 def _message(error: BaseException) -> str:
