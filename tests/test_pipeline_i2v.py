@@ -138,8 +138,13 @@ def test_layout_is_detected_from_config_and_components(pipe, tmp_path):
 
 
 def test_cached_rollout_equals_full_block_causal_forward(pipe, baseline):
-    """Every cache pass (given or generated chunk, with its conditioning) equals one teacher-forced forward."""
+    """Every cache pass (given or generated chunk, with its conditioning) equals one teacher-forced forward (the
+    pipeline's cache passes are store-only: their inputs are replayed with the prediction)."""
     video_latents, stored = baseline
+    assert all(kw["store_only"] and out is None for kw, out in stored)
+    pipe.transformer.clear_caches()
+    with torch.no_grad():
+        stored = [(kw, pipe.transformer(**{**kw, "store_only": False})[0]) for kw, _ in stored]
     assert len(stored) == 2
     assert [kw["start_frame"] for kw, _ in stored] == [s for s, _ in pipe.rollout_chunk_bounds(4)]
     hidden_states = torch.cat([kw["hidden_states"] for kw, _ in stored], dim=2)

@@ -63,6 +63,25 @@ def causal_block_forward(
     return hidden_states.type_as(ff_output)
 
 
+def causal_block_store_only(
+    block: WanTransformerBlock | WanVACETransformerBlock,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    temb: torch.Tensor,
+    rotary_emb: torch.Tensor,
+    causal_context: CausalBlockView,
+) -> None:
+    """What the last block of a store-only forward leaves in the caches, and nothing else: its self-attention K/V
+    (from the same modulated input as :func:`causal_block_forward`) and the cross K/V it fills. The attention
+    outputs, the feed-forward and the block's output are not computed (nothing reads them)."""
+    num_frames = temb.shape[1]
+    shift, scale = (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)[:2]
+    norm_hidden_states = block.norm1(hidden_states.float()).unflatten(1, (num_frames, -1)) * (1 + scale) + shift
+    norm_hidden_states = norm_hidden_states.flatten(1, 2).type_as(hidden_states)
+    block.attn1.processor.store_only(block.attn1, norm_hidden_states, rotary_emb, causal_context=causal_context)
+    block.attn2.processor.store_only(block.attn2, encoder_hidden_states, causal_context=causal_context)
+
+
 class WanCausalTransformerBlock(WanTransformerBlock):
     """A ``WanTransformerBlock`` (same parameters) whose forward modulates per frame and passes the causal context."""
 

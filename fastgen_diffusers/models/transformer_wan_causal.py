@@ -30,7 +30,7 @@ from ..parallel import (
 from ..processors import WanCausalAttnProcessor, WanCausalCrossAttnProcessor, apply_rotary_emb
 from ..processors.attention import BlockAttentionInputs
 from .attention_inputs import build_attention_inputs, query_rotations, store_attention_outputs
-from .blocks import WanCausalTransformerBlock
+from .blocks import WanCausalTransformerBlock, causal_block_store_only
 from .call_checks import check_transformer_inputs, same_timestep_values
 from .rope import CausalRotaryTables
 
@@ -533,9 +533,21 @@ class CausalWanMixin:
         return num_frames // p_t, post_h, post_w, timestep_values
 
     # ------------------------------------------------------------------ blocks
-    def _run_blocks(self, blocks, hidden_states, context, timestep_proj, rotary_emb, block_inputs, views):
+    def _run_blocks(
+        self, blocks, hidden_states, context, timestep_proj, rotary_emb, block_inputs, views, store_only=False
+    ):
         """Run ``blocks`` in order, ``blocks[i]`` with ``views[i]`` (its :class:`CausalBlockView`), gathering the
-        prefix of ``block_inputs[i]`` (its :class:`BlockAttentionInputs`) before and dropping it after."""
+        prefix of ``block_inputs[i]`` (its :class:`BlockAttentionInputs`) before and dropping it after.
+
+        ``store_only``: the last block only stores its K/V (:func:`causal_block_store_only`, no prefix gathered) and
+        the returned hidden states are those of the block before it (nothing reads them)."""
+        if store_only and len(blocks) > 0:
+            *blocks, last = blocks
+            hidden_states = self._run_blocks(
+                blocks, hidden_states, context, timestep_proj, rotary_emb, block_inputs, views
+            )
+            causal_block_store_only(last, hidden_states, context, timestep_proj, rotary_emb, views[len(blocks)])
+            return hidden_states
         for block, attention_inputs, view in zip(blocks, block_inputs, views):
             attention_inputs.self_attn.load()
             if torch.is_grad_enabled() and self.gradient_checkpointing:
@@ -580,6 +592,7 @@ class CausalWanMixin:
         kv_cache_attention_bias: float = 1.0,
         attention_window: AttentionWindow | None = None,
         chunk_layout: Sequence[int] | None = None,
+        store_only: bool = False,
         **block_inputs: Any,
     ) -> torch.Tensor | Transformer2DModelOutput:
         """The forward of a causal model around its block loop; ``block_inputs`` go to ``_forward_blocks``.
@@ -588,6 +601,10 @@ class CausalWanMixin:
         :meth:`_compute_forward` (tensor code only: what ``torch.compile(transformer)`` captures) and
         :meth:`_end_forward` (stores and commit, never compiled).
         """
+        if store_only and not store_kv:
+            raise ValueError(
+                "`store_only=True` needs `store_kv=True` (a forward that stores nothing computes nothing)."
+            )
         call = self._begin_forward(
             hidden_states,
             timestep,
@@ -602,7 +619,12 @@ class CausalWanMixin:
         )
         try:
             output = self._compute_forward(
-                hidden_states, encoder_hidden_states, encoder_hidden_states_image, call, **block_inputs
+                hidden_states,
+                encoder_hidden_states,
+                encoder_hidden_states_image,
+                call,
+                store_only=store_only,
+                **block_inputs,
             )
         except BaseException:
             self._abort_forward(call)
@@ -705,11 +727,17 @@ class CausalWanMixin:
         encoder_hidden_states: torch.Tensor,
         encoder_hidden_states_image: torch.Tensor | None,
         call: ForwardCall,
+        store_only: bool = False,
         **block_inputs: Any,
-    ) -> torch.Tensor:
-        """Patch embedding, context embedding, the blocks and the output head: ``(B, C_out, F, H, W)``."""
+    ) -> torch.Tensor | None:
+        """Patch embedding, context embedding, the blocks and the output head: ``(B, C_out, F, H, W)``; ``None`` for
+        a store-only forward (the last block only stores its K/V, no output head)."""
         batch_size = hidden_states.shape[0]
         post_f, post_h, post_w = call.grid
+        # Traced whole (`torch.compile(transformer)`), a store-only forward runs whole and drops its prediction: its
+        # graphs are then the full forward's, so that a store pass adds none (compiled blocks, run from this eager
+        # Python, still skip the last block's tail).
+        skip_tail = store_only and not torch.compiler.is_compiling()
         hidden_states = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()  # (B, F*S, D)
         cp_config = context_parallel_config(self)
         if cp_config is not None:  # Ulysses: this rank's S/P tokens of every frame; RoPE stays whole (processors)
@@ -726,9 +754,13 @@ class CausalWanMixin:
             call.ctx,
             call.attention_inputs,
             call.views,
+            store_only=skip_tail,
             **block_inputs,
         )
-        return self._output_head(hidden_states, temb, batch_size, post_f, post_h, post_w)
+        if skip_tail:
+            return None
+        output = self._output_head(hidden_states, temb, batch_size, post_f, post_h, post_w)
+        return None if store_only else output
 
     @torch.compiler.disable
     def _end_forward(self, call: ForwardCall) -> None:
@@ -819,10 +851,18 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
         return {"main": self.blocks}
 
     def _forward_blocks(
-        self, hidden_states, context, timestep_proj, rotary_emb, ctx: CausalContext, attention_inputs, views
+        self,
+        hidden_states,
+        context,
+        timestep_proj,
+        rotary_emb,
+        ctx: CausalContext,
+        attention_inputs,
+        views,
+        store_only: bool = False,
     ):
         return self._run_blocks(
-            self.blocks, hidden_states, context, timestep_proj, rotary_emb, attention_inputs["main"], views
+            self.blocks, hidden_states, context, timestep_proj, rotary_emb, attention_inputs["main"], views, store_only
         )
 
     # ------------------------------------------------------------------ forward
@@ -843,6 +883,7 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
         # per-call attention layout (a rollout that attends under several windows: Rolling Forcing's)
         attention_window: AttentionWindow | None = None,
         chunk_layout: Sequence[int] | None = None,
+        store_only: bool = False,
     ) -> torch.Tensor | Transformer2DModelOutput:
         """Flow prediction for the latent frames ``[start_frame, start_frame + F)`` given the cached prefix.
 
@@ -869,9 +910,13 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
             chunk_layout: frame counts of the call's causal chunks (summing to F), instead of the config's rule
                 (``chunk_size`` chunks, the first absorbing the remainder): ``(F,)`` makes the call one chunk whose
                 frames all see each other (no mask). ``None`` (default): the config's rule.
+            store_only: with ``store_kv=True``, store exactly what the full forward stores and compute nothing else
+                (a cache pass whose prediction nothing reads): the last block computes only its K/V (and the cross
+                K/V it fills), the output head does not run, and the prediction is ``None`` (traced whole by
+                ``torch.compile(transformer)``, the forward runs whole and drops it: no graph of its own).
 
         Returns:
-            ``(B, C_out, F, H, W)`` flow prediction, like ``WanTransformer3DModel``.
+            ``(B, C_out, F, H, W)`` flow prediction, like ``WanTransformer3DModel`` (``None`` with ``store_only``).
         """
         return self._causal_forward(
             hidden_states,
@@ -885,4 +930,5 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
             kv_cache_attention_bias=kv_cache_attention_bias,
             attention_window=attention_window,
             chunk_layout=chunk_layout,
+            store_only=store_only,
         )

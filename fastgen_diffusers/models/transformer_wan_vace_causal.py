@@ -211,6 +211,7 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
         control_hidden_states: torch.Tensor,
         control_scales: torch.Tensor,
         vace_hint_cache: VACEHintCache | None,
+        store_only: bool = False,
     ) -> torch.Tensor:
         """VACE layers first (or reused hints), then the main blocks with ``hint * scale`` after each VACE layer."""
         reuse = vace_hint_cache is not None and not ctx.store_kv
@@ -243,7 +244,14 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
             hidden_states = hidden_states + hint * scale.to(hint)
             start = layer + 1
         return self._run_blocks(
-            self.blocks[start:], hidden_states, context, timestep_proj, rotary_emb, main_inputs[start:], views[start:]
+            self.blocks[start:],
+            hidden_states,
+            context,
+            timestep_proj,
+            rotary_emb,
+            main_inputs[start:],
+            views[start:],
+            store_only,
         )
 
     # ------------------------------------------------------------------ forward
@@ -267,6 +275,7 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
         kv_cache_attention_bias: float = 1.0,
         attention_window: AttentionWindow | None = None,
         chunk_layout: Sequence[int] | None = None,
+        store_only: bool = False,
     ) -> torch.Tensor | Transformer2DModelOutput:
         """Flow prediction for the latent frames ``[start_frame, start_frame + F)`` given the cached prefix.
 
@@ -286,9 +295,12 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
             attention_kwargs: only ``scale`` (LoRA scale) is read.
             kv_cache_attention_bias, attention_window, chunk_layout: as [`WanCausalTransformer3DModel.forward`], for
                 the self-attention of both branches.
+            store_only: as [`WanCausalTransformer3DModel.forward`]: the VACE layers run whole (their hints feed the
+                main blocks), the last main block only stores its K/V; returns ``None``.
 
         Returns:
-            ``(B, C_out, F, H, W)`` flow prediction, like ``WanVACETransformer3DModel``.
+            ``(B, C_out, F, H, W)`` flow prediction, like ``WanVACETransformer3DModel`` (``None`` with
+            ``store_only``).
         """
         self._check_control(hidden_states, control_hidden_states)
         control_scales = self._control_scales(control_hidden_states_scale)
@@ -304,6 +316,7 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
             kv_cache_attention_bias=kv_cache_attention_bias,
             attention_window=attention_window,
             chunk_layout=chunk_layout,
+            store_only=store_only,
             control_hidden_states=control_hidden_states,
             control_scales=control_scales,
             vace_hint_cache=vace_hint_cache,

@@ -272,6 +272,28 @@ class WanCausalAttnProcessor:
         hidden_states = attn.to_out[0](hidden_states)
         return attn.to_out[1](hidden_states)
 
+    def store_only(
+        self, attn, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, *, causal_context: CausalBlockView
+    ) -> None:
+        """The K/V half of :meth:`__call__`, for a forward whose attention output nothing reads (the last block of a
+        store-only forward): this call's K/V, projected, normalized and rotated as ``__call__`` does, handed to the
+        cache view as ``__call__`` hands them (written into their slots, or handed back to be stored); no query, no
+        prefix gathered, no attention."""
+        block_inputs = _block_inputs(causal_context, attn, self)
+        inputs = block_inputs.self_attn
+        if attn.fused_projections:
+            _, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            key, value = attn.to_k(hidden_states), attn.to_v(hidden_states)
+        key = rms_norm_fp32(attn.norm_k, key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        cp_config = context_parallel_config(self)
+        if cp_config is not None:
+            key, value = (sequence_to_heads(t, block_inputs.num_frames, cp_config) for t in (key, value))
+        if inputs.key_rotary is None:
+            key = apply_rotary_emb(key, rotary_emb)
+        inputs.cache.attend(key, value)
+
 
 class WanCausalCrossAttnProcessor:
     """Cross-attention to the text (and, for Wan2.1 I2V, image) context with cached K/V.
@@ -317,6 +339,14 @@ class WanCausalCrossAttnProcessor:
 
         hidden_states = attn.to_out[0](hidden_states)
         return attn.to_out[1](hidden_states)
+
+    def store_only(self, attn, encoder_hidden_states: torch.Tensor | None, *, causal_context: CausalBlockView) -> None:
+        """What :meth:`__call__` leaves behind when nothing reads its output: the context K/V it fills
+        (:attr:`CrossKVMode.FILL`), computed as ``__call__`` computes them; nothing in the other modes."""
+        inputs = _block_inputs(causal_context, attn, self).cross_attn
+        if inputs.mode is CrossKVMode.FILL:
+            projected = self._project_context(attn, encoder_hidden_states, inputs.image_context_length)
+            inputs.filled = tuple(None if t is None else t.detach() for t in projected)
 
     @staticmethod
     def _project_context(attn, encoder_hidden_states: torch.Tensor, image_len: int):

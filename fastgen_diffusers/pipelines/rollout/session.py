@@ -21,6 +21,9 @@ from .prompt_switch import ROPE_CUT_POSITION, PromptSwitchRule, flush_caches, re
 from .records import ChunkRecord
 
 MAIN_BRANCH = "main"
+# A cache pass stores its chunk's K/V and nothing reads its prediction: the transformer skips what only the
+# prediction needs (the last block's attention outputs and feed-forward, the output head).
+STORE_ONLY = {"store_only": True}
 
 
 def branch_cache_tags(branch: str) -> tuple[str, str]:
@@ -237,8 +240,8 @@ class RolloutSession:
             noise = randn_tensor(clean.shape, generator=generator, device=clean.device, dtype=clean.dtype)
             context = (1.0 - sigma) * clean + sigma * noise
         timestep = self.context_timestep(clean.shape[0], clean.device)
-        for cache_tag in self.cache_tags:
-            self.forward(span, context, timestep, cache_tag=cache_tag, store_kv=True)
+        for cache_tag in self.cache_tags:  # the prediction is not read: a store-only forward
+            self.forward(span, context, timestep, cache_tag=cache_tag, store_kv=True, call_options=STORE_ONLY)
         self.record(span, clean, context)
         return context
 
