@@ -69,7 +69,7 @@ def endless_settings(
     def held(rollout: RolloutSettings, frames: int) -> int:
         return rollout.active_policy.held_frames(frames, chunk_size, rollout.cache.attention_window)
 
-    far = rope_table + 4 * chunk_size
+    far = rope_table + (resolved.cache.attention_window or 0) + 4 * chunk_size  # past the table and any window
     if held(resolved, far) < held(resolved, 2 * far):  # the cache grows with the video
         if default_window is None:
             raise ValueError(
