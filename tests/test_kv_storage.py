@@ -127,3 +127,38 @@ class TestStorageContract:
         storage.write(20, frames(20, 1), frames(20, 1))
         assert torch.equal(held(storage, 0, 2), frames(0, 2))
         assert torch.equal(held(storage, 20, 21), frames(20, 1))
+
+
+def test_the_model_and_processors_never_ask_which_storage_they_have():
+    """One path: the attention inputs and the processors go through the engine's plan and cache views; no name of the
+    static variant (its plan, buffers, store or flag) appears in their code."""
+    import pathlib
+    import re
+
+    package = pathlib.Path(__file__).resolve().parents[1] / "fastgen_diffusers"
+    for relative in ("models/attention_inputs.py", "processors/attention.py", "context.py"):
+        code = (package / relative).read_text()
+        assert not re.search(
+            r"static_call|static_buffers|commit_static_store|\.static\b|isinstance\([^)]*Storage", code
+        )
+
+
+def test_both_cache_views_return_what_attention_reads():
+    """A storage read in place and a gathered prefix hand attention the same keys for the same frames."""
+    from fastgen_diffusers.kv_cache.plan import PrefixView, SlotView
+
+    cached, call = frames(0, 2), frames(2, 1)
+    buffers = [torch.zeros(1, 4 * SEQLEN, HEADS, DIM) for _ in range(2)]
+    buffers[0][:, : 2 * SEQLEN], buffers[1][:, : 2 * SEQLEN] = cached, cached
+    write_index = torch.arange(2 * SEQLEN, 3 * SEQLEN)
+    in_place = SlotView(*buffers, write_index, torch.empty(3 * SEQLEN, 0))
+    gathered = PrefixView(lambda: (cached, cached), store=True)
+    gathered.load()
+    for view in (in_place, gathered):
+        key, value = view.attend(call, call)
+        assert torch.equal(key, torch.cat([cached, call], dim=1)) and torch.equal(value, key)
+    assert torch.equal(buffers[0][:, 2 * SEQLEN : 3 * SEQLEN], call)  # written into its slots
+    assert torch.equal(gathered.new_key, call) and in_place.store is False  # handed back only when gathered
+    with torch.no_grad():  # kept while gradients may run the block again
+        gathered.release()
+    assert gathered.key is None

@@ -71,7 +71,7 @@ import torch._dynamo
 from torch import nn
 
 from .accounting import expected_scale_bytes
-from .cross import ConditioningKey, CrossKVCache, CrossKVEntry, CrossKVMode
+from .cross import CrossKVCache, CrossKVEntry, CrossKVMode
 from .ema_sink import check_ema_chunks, ema_update
 from .ledger import Ledger, SinkRule
 from .masks import BlockMaskMemo
@@ -235,13 +235,6 @@ class EngineViews:
             in_place=in_place,
             attention_window=attention_window,
         )
-
-    def check_call_window(
-        self, cache_tag: str, attention_window: AttentionWindow, start_frame: int, first_chunk_frames: int
-    ) -> None:
-        """Raise ``ValueError`` unless a call attending under its own ``attention_window`` sees only held frames: the
-        engine's window is then the *holding* window; such a call evicts nothing (stores still do)."""
-        self.ledger.check_call_window(cache_tag, attention_window, start_frame, first_chunk_frames)
 
     # ------------------------------------------------------------------ the spec's per-block names
     def get_self_prefix(
@@ -411,21 +404,6 @@ class EngineViews:
     def get_cross_kv(self, block_idx: int, cache_tag: str) -> CrossKVEntry:
         return self.cross.get(block_idx, cache_tag)
 
-    def set_cross_kv(
-        self,
-        block_idx: int,
-        cache_tag: str,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_img: torch.Tensor | None = None,
-        value_img: torch.Tensor | None = None,
-    ) -> None:
-        self.cross.set(block_idx, cache_tag, key, value, key_img, value_img)
-
-    def mark_cross_filled(self, cache_tag: str, source: ConditioningKey) -> None:
-        """Record which conditioning filled the cross K/V of ``cache_tag`` (one key may serve several engines)."""
-        self.cross.mark_filled(cache_tag, source)
-
     def invalidate_cross(self, cache_tag: str | None = None) -> None:
         """Forget the cross K/V of ``cache_tag`` (every tag when ``None``); the next ``store_kv`` call refills them."""
         self.cross.invalidate(list(self._tags) if cache_tag is None else [cache_tag])
@@ -560,8 +538,8 @@ class BaseKVCacheEngine(EngineViews):
         ``chunk_layout`` is the call's split into chunks (frame counts); windowed engines check that each chunk fits
         the window and that the frames its first chunk attends to are still held. With ``sink_update="ema"`` the
         frames the call evicts must be as many as the sink's (see :meth:`begin_call`). ``attention_window`` is the
-        call's own window (:meth:`EngineViews.check_call_window`), checked instead of the engine's. With keys stored
-        before RoPE, a call of several chunks must give each chunk its chunk-by-chunk key positions.
+        call's own window, checked instead of the engine's (it must see only held frames). With keys stored before
+        RoPE, a call of several chunks must give each chunk its chunk-by-chunk key positions.
         """
         if self.kv_cache_dtype is not None and torch.is_grad_enabled():
             raise ValueError(

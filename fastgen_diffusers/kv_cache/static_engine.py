@@ -20,10 +20,11 @@ in-place write would be part of the graph.
 
 An 8-bit engine (``kv_cache_dtype``) holds its buffers quantized (:class:`QuantizedFrames`: 1 byte per element and a
 float32 scale per sample, frame and head). Attention cannot read those in place, and a call's own K/V must stay in the
-compute dtype, so every call of an 8-bit engine takes the gathering path: :meth:`StaticKVCacheEngine.static_call`
-returns ``None``, the visible slots are dequantized block by block and concatenated with the call's K/V, and a store
-quantizes the chunk into its slots. Slots, the ring, capacity and the undo copies (scales included) are unchanged;
-what is lost is the fixed-shape fast path (``benchmarks/bench_kv8.py`` measures the cost).
+compute dtype, so every call of an 8-bit engine takes the gathering path: its storage has no in-place view, so
+:meth:`~BaseKVCacheEngine.plan_call` plans no in-place read, the visible slots are dequantized block by block and
+concatenated with the call's K/V, and a store quantizes the chunk into its slots. Slots, the ring, capacity and the
+undo copies (scales included) are unchanged; what is lost is the fixed-shape fast path
+(``benchmarks/bench_kv8.py`` measures the cost).
 
 Capacity: ``max_frames`` (constructor) allocates that many frame slots up front (capped at ``window_frames``). When a
 call needs more slots than allocated, the buffers grow to at least twice their size (a copy of what they hold), so

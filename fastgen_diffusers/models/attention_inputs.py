@@ -63,7 +63,7 @@ def build_attention_inputs(
             self_attn = SelfAttentionInputs(cache, mask=mask, bias=bias, key_rotary=key_rotary)
             cross_attn = CrossAttentionInputs(mode, ctx.image_context_length)
             if mode is CrossKVMode.READ:
-                entry = engine.get_cross_kv(block_idx, ctx.cache_tag)
+                entry = engine.cross.get(block_idx, ctx.cache_tag)
                 cross_attn.key, cross_attn.value = entry.key, entry.value
                 cross_attn.key_img, cross_attn.value_img = entry.key_img, entry.value_img
             per_block.append(BlockAttentionInputs(self_attn, cross_attn, ctx.num_frames))
@@ -128,7 +128,7 @@ def store_attention_outputs(
             for block_idx, inputs in enumerate(per_block):
                 # a copy: under CUDA graphs the filled K/V are graph outputs that a later replay may overwrite
                 kept = [None if t is None else t.clone() for t in inputs.cross_attn.filled]
-                engine.set_cross_kv(block_idx, ctx.cache_tag, *kept)
+                engine.cross.set(block_idx, ctx.cache_tag, *kept)
                 inputs.cross_attn.filled = None
-            engine.mark_cross_filled(ctx.cache_tag, source)
+            engine.cross.mark_filled(ctx.cache_tag, source)
     ctx.committed = True

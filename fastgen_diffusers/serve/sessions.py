@@ -7,8 +7,8 @@ shares the weights of the server's model but owns its KV-cache engines ([`sessio
 touches its own session's caches, and a stop, a disconnect or a failure frees them at once.
 
 Queues are bounded: a session runs a chunk only while fewer than ``max_pending_chunks`` of its chunks wait to be sent
-(a slow client makes its own session wait, or with ``slow_client="drop"`` loses chunks, told in one coalesced
-``dropped`` message), a video session only once the frames of its next chunk have arrived (at most
+(a slow client makes its own session wait, or with ``slow_client="drop"`` loses its oldest waiting chunks, told in
+one coalesced ``dropped`` message), a video session only once the frames of its next chunk have arrived (at most
 ``max_pending_frames`` wait, older ones are dropped), and a prompt change replaces any change not yet applied. A
 restart, a stop or a prompt change purges the chunks queued for the client and not yet being sent ([`ChunkSlot`]):
 their frames are freed at once and never sent. The event loop only moves messages: it hands commands to the worker
@@ -69,7 +69,7 @@ def endless_settings(
     def held(rollout: RolloutSettings, frames: int) -> int:
         return rollout.active_policy.held_frames(frames, chunk_size, rollout.cache.attention_window)
 
-    far = rope_table + 4 * chunk_size
+    far = rope_table + (resolved.cache.attention_window or 0) + 4 * chunk_size  # past the table and any window
     if held(resolved, far) < held(resolved, 2 * far):  # the cache grows with the video
         if default_window is None:
             raise ValueError(
@@ -533,10 +533,14 @@ class SessionManager:
             full = session.pending_chunks >= self.max_pending_chunks  # only with slow_client="drop"
             if stale:
                 pass
-            elif full:
+            elif full:  # the oldest chunk waiting goes (not one being sent): the client gets the newest frames
+                contents = [(slot.meta, slot.encode) for slot in session.queued] + [(meta, payload)]
+                dropped, _ = contents.pop(0)
+                for slot, (slot_meta, slot_encode) in zip(session.queued, contents):  # the slots keep their places
+                    slot.meta, slot.encode = slot_meta, slot_encode
                 session.dropped_chunks += 1
-                session.dropped_frames += len(frames)
-                session.last_dropped = meta["index"]
+                session.dropped_frames += dropped["frames"]
+                session.last_dropped = dropped["index"]
                 if not session.drop_notice_posted:  # one notice waits at most: a lagging client costs no memory
                     session.drop_notice_posted = True
                     session.post(("dropped",))
