@@ -39,7 +39,7 @@ from .arguments import prepare_call_options
 from .conditioning import Conditioner
 from .guard import exclusive_rollout, warn_discarding_kept_rollouts
 from .kv_cache_options import KVCacheOptionsMixin
-from .options import RolloutOptions
+from .options import RolloutOptions, call_options
 from .policy import RolloutPolicy, SequentialPolicy
 from .policy_choice import PolicyChoiceMixin
 from .policy_recompute import RecomputePolicy
@@ -397,6 +397,11 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         )
         session.attention_bias = 1.0 if kv_cache_attention_bias is None else float(kv_cache_attention_bias)
         return session
+
+    def generate_call(self, arguments: Mapping[str, Any]) -> WanPipelineOutput | tuple:
+        """The body of every causal pipeline's ``__call__``: its arguments (``locals()``) as the pipeline's options
+        ([`call_options`]), generated."""
+        return self.generate(call_options(self._options_class, arguments))
 
     @exclusive_rollout("pipe(...)")
     def generate(self, options: RolloutOptions) -> WanPipelineOutput | tuple:
