@@ -32,7 +32,8 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 
 from ..hub import HubPipelineMixin
 from ..models import AutoencoderTinyWan, WanCausalTransformer3DModel
-from ..settings import RolloutSettings
+from ..models.transformer_wan_causal import CAUSAL_CONFIG_KEYS
+from ..settings import CONFIG_KEYS, RolloutSettings
 from .rollout.call_docs import shared_call_docs
 from .rollout.core import OUTPUT_TYPES, RolloutShape
 from .rollout.live import LiveRolloutMixin
@@ -44,7 +45,6 @@ loading_logger = logging.get_logger(DiffusionPipeline.__module__)
 
 CAUSAL_SHIFT = 5.0
 HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision")
-CAUSAL_CONFIG_KEYS = ("chunk_size", "independent_first_frame")
 
 EXAMPLE_DOC_STRING = """
     Examples:
@@ -198,6 +198,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         keep_first_frame: bool = False,
         decoder: AutoencoderTinyWan | None = None,
     ):
+        arguments = locals()
         super().__init__()
         if transformer is not None and not isinstance(transformer, self._transformer_class):
             raise ValueError(
@@ -220,20 +221,10 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             decoder=decoder,
         )
         # The student's sampling settings (written by `fastgen-diffusers convert`): used when a call names none.
-        self.register_to_config(
-            timesteps=None if timesteps is None else list(timesteps),
-            context_noise=context_noise,
-            first_chunk_timesteps=None if first_chunk_timesteps is None else list(first_chunk_timesteps),
-            attention_window=attention_window,
-            sink_frames=sink_frames,
-            kv_cache_policy=kv_cache_policy,
-            context_frames=context_frames,
-            kv_cache_attention_bias=kv_cache_attention_bias,
-            rope_positions=rope_positions,
-            sink_update=sink_update,
-            sink_decay=sink_decay,
-            keep_first_frame=keep_first_frame,
-        )
+        stored = {key: arguments[key] for key in CONFIG_KEYS}
+        for key in ("timesteps", "first_chunk_timesteps"):
+            stored[key] = None if stored[key] is None else list(stored[key])
+        self.register_to_config(**stored)
         self.check_stored_settings()
         self._init_rollout_state()
         self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal if getattr(self, "vae", None) else 4

@@ -42,7 +42,6 @@ from .rollout.guard import exclusive_rollout
 from .rollout.options import RolloutOptions
 from .rollout.policy_v2v import RecomputeVideoToVideoPolicy, VideoChunkPlan, VideoToVideoPolicy
 from .rollout.prompts import check_transition_embeds
-from .rollout.session import history_to_keep
 from .rollout.strength import StrengthInput, StrengthSchedule
 from .rollout.validation import validate_call_arguments
 from .rollout.video_latents import VideoToVideoSource
@@ -226,19 +225,10 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
 
         # 4. Fresh KV-cache engines (sized for a list; a static engine grows for a live video) and the session
         self.configure_rollout_cache(options, bounds, open_ended=not known)
-        session = self.open_session(
-            Conditioner(),
-            prompt_embeds,
-            negative_prompt_embeds,
-            guidance_scale=options.guidance_scale,
-            context_noise=options.context_noise,
-            schedule=schedule,
-            first_schedule=first_schedule,
-            attention_kwargs=options.attention_kwargs,
-            keep_history=history_to_keep(False, options.recache),  # a live switch may come (`run.switch_prompt`)
-            prompt_transition_chunks=options.prompt_transition_chunks,
-            kv_cache_attention_bias=options.kv_cache_attention_bias,
-            switch_rule=self.prompt_switch_rule(options, bounds),
+        # keep_cache is refused above: the session keeps what a live switch's recache needs (`run.switch_prompt`)
+        switch_rule = self.prompt_switch_rule(options, bounds)
+        session = self.open_call_session(
+            options, Conditioner(), prompt_embeds, negative_prompt_embeds, schedule, first_schedule, switch_rule
         )
         return RolloutRun(self, session, plan, source, options, switches, 0, self.select_policy(options))
 

@@ -330,7 +330,27 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         switch_rule = self.prompt_switch_rule(options, video_bounds)
         check_transition_embeds(options.prompt_transition_chunks, prompt_embeds, switches)
         self.configure_rollout_cache(options, bounds, rolling=rolling)
-        session = self.open_session(
+        session = self.open_call_session(
+            options, conditioner, prompt_embeds, negative_prompt_embeds, schedule, first_schedule, switch_rule, refs
+        )
+        policy = rolling or self.select_policy(options)
+        return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
+
+    def open_call_session(
+        self,
+        options: RolloutOptions,
+        conditioner: Conditioner,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None,
+        schedule: Mapping[str, Any],
+        first_schedule: Mapping[str, Any] | None,
+        switch_rule: PromptSwitchRule,
+        num_reference_frames: int = 0,
+    ) -> RolloutSession:
+        """[`open_session`] for a call with resolved ``options`` (guidance, context noise, attention kwargs, prompt
+        transitions, attention bias) and its prompt switches' ``switch_rule``, keeping the history a recache needs,
+        with or without a scheduled switch: a live one may come (`run.switch_prompt`)."""
+        return self.open_session(
             conditioner,
             prompt_embeds,
             negative_prompt_embeds,
@@ -339,15 +359,12 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
             schedule=schedule,
             first_schedule=first_schedule,
             attention_kwargs=options.attention_kwargs,
-            # what a recache needs, with or without a scheduled switch: a live one may come (`run.switch_prompt`)
             keep_history=history_to_keep(options.keep_cache, options.recache),
-            num_reference_frames=refs,
+            num_reference_frames=num_reference_frames,
             prompt_transition_chunks=options.prompt_transition_chunks,
             kv_cache_attention_bias=options.kv_cache_attention_bias,
             switch_rule=switch_rule,
         )
-        policy = rolling or self.select_policy(options)
-        return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
 
     def prompt_switch_rule(self, options: RolloutOptions, video_bounds: Sequence[tuple[int, int]]) -> PromptSwitchRule:
         """What the prompt switches of a call with resolved ``options`` do to the caches: its settings'
