@@ -15,7 +15,7 @@ from fastgen_diffusers import (
     WanCausalVideoToVideoPipeline,
 )
 from fastgen_diffusers.pipelines.rollout.call_docs import CALL_ARGUMENT_DOCS, shared_call_docs
-from fastgen_diffusers.settings import RolloutSettings, argument_names
+from fastgen_diffusers.settings import CONFIG_KEYS, RolloutSettings, argument_names
 
 PIPELINES = (WanCausalPipeline, WanCausalImageToVideoPipeline, WanCausalVACEPipeline, WanCausalVideoToVideoPipeline)
 
@@ -59,3 +59,10 @@ def test_an_argument_documented_nowhere_is_refused_at_definition():
 
     with pytest.raises(TypeError, match="documents no argument `not_documented_anywhere`"):
         shared_call_docs(call)
+
+
+def test_the_stored_settings_are_documented_once_as_the_defaults_of_the_call():
+    docstring = WanCausalPipeline.__doc__
+    assert "{shared_args}" not in docstring
+    for name in CONFIG_KEYS:
+        assert re.search(rf"^ {{8}}{name} \(.*\):\n +Stored default of the call's `{name}`", docstring, re.M), name

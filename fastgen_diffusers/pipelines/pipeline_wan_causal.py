@@ -34,7 +34,7 @@ from ..hub import HubPipelineMixin
 from ..models import AutoencoderTinyWan, WanCausalTransformer3DModel
 from ..models.transformer_wan_causal import CAUSAL_CONFIG_KEYS
 from ..settings import CONFIG_KEYS, RolloutSettings
-from .rollout.call_docs import shared_call_docs
+from .rollout.call_docs import shared_call_docs, stored_settings_docs
 from .rollout.core import OUTPUT_TYPES, RolloutShape
 from .rollout.live import LiveRolloutMixin
 from .rollout.options import RolloutOptions
@@ -111,6 +111,7 @@ def causal_scheduler_from_config(config: dict[str, Any]) -> FlowMatchEulerDiscre
     )
 
 
+@stored_settings_docs
 class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin, LiveRolloutMixin):
     r"""
     Text-to-video generation with a causal Wan student (Self-Forcing, CausVid, ...): the video is generated chunk by
@@ -135,32 +136,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             The causal transformer. A plain `WanTransformer3DModel` is converted (weights shared) by
             [`~WanCausalPipeline.from_pretrained`] and [`~WanCausalPipeline.from_pipe`]. `None` (with `vae` and
             `scheduler` `None` too, as diffusers allows) builds a pipeline that serves `encode_prompt` alone.
-        timesteps (`list[float]`, *optional*):
-            Stored default timesteps of every chunk (a converted student's), used when a call names no schedule.
-        context_noise (`float`, defaults to `0.0`):
-            Stored default timestep of the cache pass.
-        first_chunk_timesteps (`list[float]`, *optional*):
-            Stored default timesteps of the first chunk (Causal Forcing++); later chunks use `timesteps`.
-        attention_window (`int`, *optional*):
-            Stored default sliding attention window in latent frames (the one the student was trained with).
-        sink_frames (`int`, defaults to `0`):
-            Stored default sink frames of the window.
-        kv_cache_policy (`str`, *optional*):
-            Stored default KV cache policy (`"sequential"`, `"recompute"`, Krea's, or `"rolling"`, Rolling Forcing's;
-            a stored `"rolling"` serves text-to-video calls only); `None` stores none.
-        context_frames (`int`, *optional*):
-            Stored default clean frames the recompute policy re-encodes before each chunk.
-        kv_cache_attention_bias (`float`, *optional*):
-            Stored default attention weight on cached frames under the recompute policy (Krea: 0.3).
-        rope_positions (`str`, defaults to `"absolute"`):
-            Stored default temporal RoPE positions of the cached keys (`"window"`: Reward Forcing's).
-        sink_update (`str`, defaults to `"fixed"`):
-            Stored default sink update (`"ema"`: Reward Forcing's).
-        sink_decay (`float`, defaults to `0.999`):
-            Stored default decay of the EMA sink.
-        keep_first_frame (`bool`, defaults to `False`):
-            Stored default anchor of the recompute policy (`True`: the first latent frame for ever; `False`: Krea's
-            re-encoded anchor).
+        {shared_args}
         decoder ([`AutoencoderTinyWan`], *optional*):
             A decode-only tiny decoder (TAEHV, e.g. `AutoencoderTinyWan.from_single_file("taew2_1.pth")`) for the
             frames of `stream()`: fast previews, while `__call__` still decodes with `vae`. To decode (and encode)

@@ -4,6 +4,7 @@ A pipeline's ``__call__`` docstring documents its own arguments and ends its ``A
 ``{shared_args}``; [`shared_call_docs`] replaces that line with an entry for each remaining argument of the signature:
 a settings argument's entry is its settings value's help ([`RolloutSettings.help_of`], what the CLI's ``--help``
 shows), any other one's is [`CALL_ARGUMENT_DOCS`]'s. The type and default of each entry are read from the signature.
+A pipeline class's docstring is filled the same way with its stored settings ([`stored_settings_docs`]).
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ from __future__ import annotations
 import inspect
 import re
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from ...settings import RolloutSettings, argument_names
+from ...settings import CONFIG_KEYS, RolloutSettings, argument_names
 
 PLACEHOLDER = "{shared_args}"
 ENTRY_INDENT = " " * 12
-TEXT_INDENT = " " * 16
+CLASS_ENTRY_INDENT = " " * 8
 LINE_WIDTH = 119
 
 # The arguments every pipeline takes that are no setting, documented once.
@@ -92,7 +93,7 @@ def _literal(value: Any) -> str:
     return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
-def argument_entry(parameter: inspect.Parameter, text: str) -> str:
+def argument_entry(parameter: inspect.Parameter, text: str, indent: str = ENTRY_INDENT) -> str:
     """One ``Args:`` entry in diffusers' form: ``name (`type`, *optional*, defaults to `x`):`` and the wrapped text."""
     annotation = parameter.annotation
     if not isinstance(annotation, str):
@@ -103,17 +104,18 @@ def argument_entry(parameter: inspect.Parameter, text: str) -> str:
         words.append("*optional*")
     if parameter.default is not inspect.Parameter.empty and parameter.default is not None:
         words.append(f"defaults to `{_literal(parameter.default)}`")
+    text_indent = indent + " " * 4
     body = textwrap.fill(
-        text, LINE_WIDTH, initial_indent=TEXT_INDENT, subsequent_indent=TEXT_INDENT, break_on_hyphens=False
+        text, LINE_WIDTH, initial_indent=text_indent, subsequent_indent=text_indent, break_on_hyphens=False
     )
-    return f"{ENTRY_INDENT}{parameter.name} ({', '.join(words)}):\n{body}"
+    return f"{indent}{parameter.name} ({', '.join(words)}):\n{body}"
 
 
-def documented_names(docstring: str) -> set[str]:
+def documented_names(docstring: str, indent: str = ENTRY_INDENT) -> set[str]:
     """The argument names a docstring's ``Args:`` entries name (``name (`type`):``, or ``a, b, c:``)."""
     names = set()
     for line in docstring.splitlines():
-        if line.startswith(ENTRY_INDENT) and not line.startswith(ENTRY_INDENT + " "):
+        if line.startswith(indent) and not line.startswith(indent + " "):
             names.update(re.findall(r"(\w+)(?= \(|,\s|:$)", line.strip()))
     return names
 
@@ -125,21 +127,44 @@ def shared_argument_text(name: str) -> str | None:
     return CALL_ARGUMENT_DOCS.get(name)
 
 
+def fill_arguments(
+    owner: str, docstring: str, parameters: Iterable[inspect.Parameter], text_of: Callable, indent: str
+) -> str:
+    """``docstring`` with its ``{shared_args}`` line (at ``indent``) replaced by an entry for each of ``parameters``
+    it does not document itself, with the text ``text_of(name)``; ``TypeError`` where that is ``None``."""
+    if PLACEHOLDER not in docstring:
+        raise TypeError(f"{owner}'s docstring has no `{PLACEHOLDER}` line for the shared arguments.")
+    own = documented_names(docstring, indent)
+    entries = []
+    for parameter in parameters:
+        if parameter.name in own:
+            continue
+        text = text_of(parameter.name)
+        if text is None:
+            raise TypeError(f"{owner} documents no argument `{parameter.name}`.")
+        entries.append(argument_entry(parameter, text, indent))
+    return docstring.replace(indent + PLACEHOLDER, "\n".join(entries))
+
+
 def shared_call_docs(function: Callable) -> Callable:
     """Fill the ``{shared_args}`` line of ``function``'s docstring with the entries of every argument of its signature
     that the docstring does not document itself (see the module docstring); ``TypeError`` for an argument that is
     documented nowhere."""
-    docstring = function.__doc__ or ""
-    if PLACEHOLDER not in docstring:
-        raise TypeError(f"{function.__qualname__}'s docstring has no `{PLACEHOLDER}` line for the shared arguments.")
-    own = documented_names(docstring)
-    entries = []
-    for parameter in list(inspect.signature(function).parameters.values())[1:]:
-        if parameter.name in own:
-            continue
-        text = shared_argument_text(parameter.name)
-        if text is None:
-            raise TypeError(f"{function.__qualname__} documents no argument `{parameter.name}`.")
-        entries.append(argument_entry(parameter, text))
-    function.__doc__ = docstring.replace(ENTRY_INDENT + PLACEHOLDER, "\n".join(entries))
+    parameters = list(inspect.signature(function).parameters.values())[1:]
+    function.__doc__ = fill_arguments(
+        function.__qualname__, function.__doc__ or "", parameters, shared_argument_text, ENTRY_INDENT
+    )
     return function
+
+
+def stored_settings_docs(cls: type) -> type:
+    """Fill the ``{shared_args}`` line of a pipeline class's docstring (its ``__init__`` arguments) with the entries
+    of the stored settings (:data:`CONFIG_KEYS`, written by ``fastgen-diffusers convert``): each the default of the
+    call argument of that name."""
+
+    def text_of(name: str) -> str:
+        return f"Stored default of the call's `{name}` (see `__call__`), used when a call leaves it out."
+
+    parameters = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name in CONFIG_KEYS]
+    cls.__doc__ = fill_arguments(cls.__name__, cls.__doc__ or "", parameters, text_of, CLASS_ENTRY_INDENT)
+    return cls
