@@ -73,12 +73,13 @@ from torch import nn
 from .accounting import expected_scale_bytes
 from .cross import CrossKVCache, CrossKVEntry, CrossKVMode
 from .ema_sink import check_ema_chunks, ema_update
-from .ledger import Ledger, SinkRule
+from .ledger import Ledger
 from .masks import BlockMaskMemo
 from .options import SINK_UPDATES, check_kv_cache_dtype, check_rope_and_sink_settings
 from .plan import CallPlan, PrefixView, SlotPlan, SlotView
 from .positions import RopePositions
 from .registry import BlockRegistry
+from .sink import SinkRule
 from .storage import ChunkListStorage, KVStorage, StorageLayout, codec_for
 from .tags import TagState, TagTable
 from .window import AttentionWindow
@@ -248,8 +249,7 @@ class EngineViews:
         """Cached ``(key, value)``, each ``(B, prefix_tokens, H, D)`` in frame order, visible to a call at
         ``start_frame`` whose first chunk has ``first_chunk_frames`` frames, under the engine's window or the call's
         own ``attention_window``; ``None`` when nothing is visible (what a :class:`PrefixView` gathers)."""
-        sink_end, recent_start = self.ledger.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
-        ranges = ((0, sink_end), (recent_start, start_frame))
+        ranges = self.ledger.prefix_ranges(cache_tag, start_frame, first_chunk_frames, attention_window)
         keys, values = self._self_kv[block_idx][cache_tag].read(self.ledger.slot_ranges(ranges))
         if not keys:
             return None

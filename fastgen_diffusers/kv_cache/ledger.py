@@ -15,41 +15,62 @@ from dataclasses import dataclass
 from typing import Any
 
 from .positions import RopePositionMode, RopePositions, check_chunk_positions
+from .sink import SinkRule
 from .tags import TagState, TagTable
 from .window import AttentionWindow, check_ema_eviction
 
-__all__ = ["Eviction", "Ledger", "SinkRule"]
+__all__ = ["Eviction", "KeyPlan", "Ledger", "SinkRule", "plan_keys", "visible_prefix"]
 
 
 @dataclass(frozen=True)
-class SinkRule:
-    """Which frames are pinned in the cache (kept and attended to for ever) and how they are updated.
+class KeyPlan:
+    """The keys one call reads, as the ledger plans them: what the masks of a multi-chunk call are built from.
 
     Attributes:
-        frames: the pinned frames are the first ``frames`` latent frames of the video.
-        update: ``"fixed"`` (a pinned frame keeps the K/V it was stored with) or ``"ema"`` (Reward Forcing: frames
-            leaving the window are folded into the pinned ones, ``sink = decay * sink + (1 - decay) * evicted``).
-        decay: the EMA's decay.
+        start_frame: the call's first frame.
+        frames: the latent frame of every key frame, in the order attention reads them (the gathered prefix in frame
+            order, then the call's frames).
+        pinned: per key frame, whether the sink rule pins it (seen by every later query, whatever the window).
     """
 
-    frames: int = 0
-    update: str = "fixed"
-    decay: float = 0.999
+    start_frame: int
+    frames: tuple[int, ...]
+    pinned: tuple[bool, ...]
 
-    def pinned(self, frame: int) -> bool:
-        """Whether ``frame`` is pinned."""
-        return frame < self.frames
+    @property
+    def prefix_pinned(self) -> int:
+        """Pinned key frames of the cached prefix."""
+        return sum(p for f, p in zip(self.frames, self.pinned) if f < self.start_frame)
 
-    def pinned_range(self, num_frames: int) -> tuple[int, int]:
-        """The pinned frames among the first ``num_frames``, as ``[first, last)``."""
-        return 0, min(self.frames, num_frames)
+    @property
+    def prefix_recent(self) -> int:
+        """Unpinned key frames of the cached prefix."""
+        return sum(not p for f, p in zip(self.frames, self.pinned) if f < self.start_frame)
 
-    def fold(self, first: int, last: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
-        """Where the evicted frames ``[first, last)`` go: ``(pinned frames, evicted frames)`` ranges the EMA blends
-        one to one, or ``None`` when the rule keeps its pinned frames as stored."""
-        if self.update != "ema":
-            return None
-        return (0, last - first), (first, last)
+    def pattern(self) -> tuple[int | None, ...]:
+        """Per key frame its offset from the call's start, ``None`` for a pinned frame of the prefix (seen by every
+        query of the call, wherever it is): what a mask's pattern depends on."""
+        return tuple(
+            None if p and f < self.start_frame else f - self.start_frame for f, p in zip(self.frames, self.pinned)
+        )
+
+
+def plan_keys(
+    window: AttentionWindow, pins: SinkRule, start_frame: int, num_frames: int, prefix: Sequence[int]
+) -> KeyPlan:
+    """The :class:`KeyPlan` of a call reading the cached frames ``prefix`` (frame order) then its own frames."""
+    frames = (*prefix, *range(start_frame, start_frame + num_frames))
+    return KeyPlan(start_frame, frames, tuple(pins.pinned(frame) for frame in frames))
+
+
+def visible_prefix(window: AttentionWindow, pins: SinkRule, start_frame: int, recent_start: int) -> list[int]:
+    """The cached frames a call at ``start_frame`` reads, in frame order: the pinned frames before it and the unpinned
+    frames from ``recent_start`` on (``recent_start``: :meth:`AttentionWindow.visible`, clipped to what is held)."""
+    recent = [frame for frame in range(recent_start, start_frame) if not pins.pinned(frame)]
+    pinned = pins.pinned_frames(start_frame) if window.bounded else ()
+    if not pinned or not recent or pinned[-1] < recent[0]:
+        return [*pinned, *recent]
+    return sorted({*pinned, *recent})
 
 
 @dataclass(frozen=True)
@@ -100,6 +121,10 @@ class Ledger:
         state = self.tags.get(cache_tag)
         return 0 if state is None else state.rope_offset
 
+    def pins(self, attention_window: AttentionWindow | None = None) -> SinkRule:
+        """The sink rule a call reads under: the engine's, or the fixed rule of a call's own window's sink."""
+        return self.sink if attention_window is None else SinkRule(attention_window.sink)
+
     def held_visible(
         self,
         cache_tag: str,
@@ -124,9 +149,38 @@ class Ledger:
         first_chunk_frames: int = 1,
         attention_window: AttentionWindow | None = None,
     ) -> list[int]:
-        """The frames of a call's gathered prefix, in frame order."""
-        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
-        return [*range(sink_end), *range(recent_start, start_frame)]
+        """The frames of a call's gathered prefix, in frame order: the sink rule's pinned and the recent frames."""
+        window = self.window if attention_window is None else attention_window
+        _, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
+        return visible_prefix(window, self.pins(attention_window), start_frame, recent_start)
+
+    def prefix_ranges(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        first_chunk_frames: int = 1,
+        attention_window: AttentionWindow | None = None,
+    ) -> list[tuple[int, int]]:
+        """:meth:`prefix_frames` as ascending ``[first, last)`` frame ranges (what a gathered prefix reads)."""
+        ranges: list[tuple[int, int]] = []
+        for frame in self.prefix_frames(cache_tag, start_frame, first_chunk_frames, attention_window):
+            if ranges and ranges[-1][1] == frame:
+                ranges[-1] = (ranges[-1][0], frame + 1)
+            else:
+                ranges.append((frame, frame + 1))
+        return ranges
+
+    def key_plan(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        chunk_layout: Sequence[int],
+        attention_window: AttentionWindow | None = None,
+    ) -> KeyPlan:
+        """The keys a gathered call reads in order, each with whether it is pinned (what its masks are built from)."""
+        prefix = self.prefix_frames(cache_tag, start_frame, chunk_layout[0], attention_window)
+        window = self.window if attention_window is None else attention_window
+        return plan_keys(window, self.pins(attention_window), start_frame, sum(chunk_layout), prefix)
 
     def key_frames(
         self,
@@ -159,8 +213,8 @@ class Ledger:
         """Temporal RoPE positions of the keys a call reads (in its order) and of its queries, by the positions
         mode; a RoPE cut moves the call's own frames."""
         frames = self.key_frames(cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window)
-        window = self.window if attention_window is None else attention_window
-        positions = dict(zip(frames, self.positions.rule(frames, window, self.rope_offset(cache_tag))))
+        pins = self.pins(attention_window)
+        positions = dict(zip(frames, self.positions.rule(frames, pins, self.rope_offset(cache_tag))))
         state = self.tags.get(cache_tag)
         if state is not None and state.rope_cut is not None:
             positions.update({start_frame + i: state.rope_cut + i for i in range(num_frames)})
@@ -264,7 +318,13 @@ class Ledger:
             layout_ = tuple(chunk_layout)
             frames = self.key_frames(cache_tag, start_frame, sum(layout_), layout_[0], False, attention_window)
             check_chunk_positions(
-                self.positions_name, window, frames, start_frame, layout_, self.rope_offset(cache_tag)
+                self.positions_name,
+                window,
+                frames,
+                start_frame,
+                layout_,
+                self.rope_offset(cache_tag),
+                self.pins(attention_window),
             )
 
     def check_call_window(
