@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .positions import RopePositionMode, RopePositions, check_chunk_positions
-from .sink import SinkRule
+from .sink import SinkRule, frame_ranges
 from .tags import TagState, TagTable
 from .window import AttentionWindow, check_ema_eviction
 
@@ -103,6 +103,11 @@ class Ledger:
         self.positions = positions
         self.positions_name = positions_name
         self.fixed_slots = bool(fixed_slots)
+        if self.fixed_slots and window.bounded and not sink.at_front:
+            raise ValueError(
+                "A storage with fixed slots keeps the pinned frames in the first slots of its ring, but the sink rule "
+                f"{type(sink).__name__} pins later frames: use a storage without fixed slots (the vanilla engine's)."
+            )
         self.tags = TagTable()
 
     # ------------------------------------------------------------------ reads
@@ -115,7 +120,10 @@ class Ledger:
     def held_frames(self, cache_tag: str) -> int:
         """Frames of ``cache_tag`` whose K/V the engine holds (the pinned frames and the frames not evicted)."""
         state = self.tags.get(cache_tag)
-        return 0 if state is None else self.window.held_frames(state.num_frames, state.evicted_before)
+        if state is None or not self.window.bounded:
+            return 0 if state is None else state.num_frames
+        held = self.sink.unpinned_ranges(state.evicted_before, state.num_frames)
+        return len(self.sink.pinned_frames(state.num_frames)) + sum(last - first for first, last in held)
 
     def rope_offset(self, cache_tag: str) -> int:
         state = self.tags.get(cache_tag)
@@ -162,13 +170,7 @@ class Ledger:
         attention_window: AttentionWindow | None = None,
     ) -> list[tuple[int, int]]:
         """:meth:`prefix_frames` as ascending ``[first, last)`` frame ranges (what a gathered prefix reads)."""
-        ranges: list[tuple[int, int]] = []
-        for frame in self.prefix_frames(cache_tag, start_frame, first_chunk_frames, attention_window):
-            if ranges and ranges[-1][1] == frame:
-                ranges[-1] = (ranges[-1][0], frame + 1)
-            else:
-                ranges.append((frame, frame + 1))
-        return ranges
+        return frame_ranges(self.prefix_frames(cache_tag, start_frame, first_chunk_frames, attention_window))
 
     def key_plan(
         self,
@@ -257,6 +259,14 @@ class Ledger:
             first = max(first, last - self.window.room)
         return self.slot_ranges(((first, last),))
 
+    def evicted_slot_ranges(self, first: int, last: int) -> list[tuple[int, int]]:
+        """The slot ranges an eviction of ``[first, last)`` frees: those of its unpinned frames (the sink rule's)."""
+        return [
+            slots
+            for low, high in self.sink.unpinned_ranges(first, last)
+            for slots in self.freed_slot_ranges(low, high)
+        ]
+
     def slot_frames(self, end_frame: int) -> tuple[int, ...]:
         """The frame each of the first ``window.slots(end_frame)`` slots holds once frames ``[0, end_frame)`` have
         been written (the pinned and the most recent frames under a window)."""
@@ -276,8 +286,8 @@ class Ledger:
             return []
         frames = [(0, state.num_frames)]
         if self.window.bounded:
-            pinned = self.sink.pinned_range(state.num_frames)
-            frames = [pinned, (max(self.window.sink, state.evicted_before), state.num_frames)]
+            pinned = self.sink.pinned_ranges(0, state.num_frames)
+            frames = sorted([*pinned, *self.sink.unpinned_ranges(state.evicted_before, state.num_frames)])
         return self.slot_ranges(frames)
 
     # ------------------------------------------------------------------ checks (write nothing)
@@ -374,9 +384,10 @@ class Ledger:
         if not self.window.bounded or state is None or attention_window is not None:
             return None
         _, recent_start = self.window.visible(start_frame, first_chunk_frames)
-        first = max(self.window.sink, state.evicted_before)
-        if recent_start <= first:
+        unpinned = self.sink.unpinned_ranges(state.evicted_before, recent_start)
+        if not unpinned:
             return None
+        first = unpinned[0][0]
         fold = None if state.recaching else self.sink.fold(first, recent_start)
         state.evicted_before = recent_start
         return Eviction(first, recent_start, fold)
@@ -389,7 +400,18 @@ class Ledger:
             # frames >= start_frame are replaced by this store; the window then evicts what precedes recent_start
             recent_start = self.window.recent_start(end_frame)
             state.evicted_before = max(min(state.evicted_before, start_frame), recent_start)
-        return self.window.kept_ranges(start_frame, end_frame)
+        return self.kept_ranges(start_frame, end_frame)
+
+    def kept_ranges(self, start_frame: int, end_frame: int) -> list[tuple[int, int]]:
+        """The parts of a store of ``[start_frame, end_frame)`` the engine keeps: its pinned frames and the frames a
+        window still shows after it (:meth:`AttentionWindow.recent_start`), as ascending ranges."""
+        if not self.window.bounded:
+            return [(start_frame, end_frame)]
+        recent = min(max(start_frame, self.window.recent_start(end_frame)), end_frame)
+        pinned = self.sink.pinned_ranges(start_frame, recent)
+        if pinned and pinned[-1][1] == recent:
+            return [*pinned[:-1], (pinned[-1][0], end_frame)] if recent < end_frame else pinned
+        return [*pinned, (recent, end_frame)] if recent < end_frame else pinned
 
     def commit_store(
         self, cache_tag: str, start_frame: int, num_frames: int, chunk_layout: Sequence[int] | None = None

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from .window import AttentionWindow
 
-__all__ = ["SinkRule", "sink_rule_of"]
+__all__ = ["SegmentSinkRule", "SinkRule", "frame_ranges", "sink_rule_of"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class SinkRule:
     decay: float = 0.999
 
     anchor: ClassVar[int] = 0  # the frame a KV-cache attention bias spares: the video's first latent frame
+    at_front: ClassVar[bool] = True  # the pinned frames are the video's first: a ring of fixed slots keeps them first
 
     # ------------------------------------------------------------------ which frames
     def pinned(self, frame: int) -> bool:
@@ -47,6 +48,15 @@ class SinkRule:
     def count_before(self, frame: int) -> int:
         """How many pinned frames precede ``frame`` (a pinned frame's rank among the pinned ones)."""
         return min(self.frames, frame)
+
+    def pinned_ranges(self, first: int, last: int) -> list[tuple[int, int]]:
+        """The pinned frames of ``[first, last)`` as ascending ``[first, last)`` ranges."""
+        return frame_ranges(frame for frame in self.pinned_frames(last) if frame >= first)
+
+    def unpinned_ranges(self, first: int, last: int) -> list[tuple[int, int]]:
+        """The frames of ``[first, last)`` that are not pinned (what an eviction may drop), as ascending ranges."""
+        first = max(first, self.frames)
+        return [(first, last)] if first < last else []
 
     def pinned_range(self, num_frames: int) -> tuple[int, int]:
         """The pinned frames among the first ``num_frames``, as ``[first, last)``."""
@@ -66,6 +76,53 @@ class SinkRule:
         if self.update != "ema":
             return None
         return (0, last - first), (first, last)
+
+
+@dataclass(frozen=True)
+class SegmentSinkRule(SinkRule):
+    """Pins the first ``frames`` frames of every segment (e.g. prompt segment) starting at a frame of ``starts``.
+
+    Fixed only (the EMA fold blends the frames at the front of the video), and only over a storage without fixed
+    slots (a ring keeps its pinned frames first).
+    """
+
+    starts: tuple[int, ...] = (0,)
+
+    at_front: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        starts = self.starts
+        if not all(isinstance(s, int) and s >= 0 for s in starts) or any(
+            b < a + self.frames for a, b in zip(starts, starts[1:])
+        ):
+            raise ValueError(
+                f"`starts` must be ascending frames >= 0, at least frames={self.frames} apart, got {starts!r}."
+            )
+        if self.update != "fixed":
+            raise ValueError(f"`update` of a SegmentSinkRule must be 'fixed', got {self.update!r}.")
+
+    def pinned(self, frame: int) -> bool:
+        return any(start <= frame < start + self.frames for start in self.starts)
+
+    def pinned_frames(self, end_frame: int) -> tuple[int, ...]:
+        return tuple(f for start in self.starts for f in range(start, min(start + self.frames, end_frame)))
+
+    def count_before(self, frame: int) -> int:
+        return len(self.pinned_frames(frame))
+
+    def unpinned_ranges(self, first: int, last: int) -> list[tuple[int, int]]:
+        return frame_ranges(f for f in range(first, last) if not self.pinned(f))
+
+
+def frame_ranges(frames) -> list[tuple[int, int]]:
+    """Ascending frames as ``[first, last)`` ranges of consecutive frames."""
+    ranges: list[tuple[int, int]] = []
+    for frame in frames:
+        if ranges and ranges[-1][1] == frame:
+            ranges[-1] = (ranges[-1][0], frame + 1)
+        else:
+            ranges.append((frame, frame + 1))
+    return ranges
 
 
 def sink_rule_of(pins: SinkRule | AttentionWindow) -> SinkRule:
