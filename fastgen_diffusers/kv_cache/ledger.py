@@ -424,7 +424,7 @@ class Ledger:
     # ------------------------------------------------------------------ edits (return the frames they drop)
     def truncate(self, cache_tag: str, end_frame: int) -> tuple[int, int] | None:
         """Record that every frame ``>= end_frame`` is gone; the frames dropped, or ``None``."""
-        if not self.tags.check_truncate(cache_tag, end_frame):
+        if not self.tags.check_truncate(cache_tag, end_frame, self.window.sink):
             return None
         dropped = (end_frame, self.tags[cache_tag].num_frames)
         self.tags.truncate(cache_tag, end_frame)
