@@ -13,8 +13,6 @@ from torch import nn
 from .kv_cache import AttentionWindow, BaseKVCacheEngine, CrossKVMode
 from .kv_cache.masks import AttentionBias, BlockMaskMemo
 
-ANCHOR_FRAME = 0  # the frame a KV-cache attention bias spares: the video's first latent frame (see below)
-
 
 @dataclass
 class CausalContext:
@@ -119,8 +117,18 @@ class CausalContext:
         if not self.is_multi_chunk:
             return None
         return self.block_masks.get(
-            self.mask_backend, self.window_of(engine), self.start_frame, self.chunk_layout, self.frame_seqlen, device
+            self.mask_backend,
+            self.window_of(engine),
+            self.start_frame,
+            self.chunk_layout,
+            self.frame_seqlen,
+            device,
+            self.key_plan(engine),
         )
+
+    def key_plan(self, engine: BaseKVCacheEngine):
+        """The ledger's plan of the keys this call reads from ``engine`` (frames in order, which are pinned)."""
+        return engine.ledger.key_plan(self.cache_tag, self.start_frame, self.chunk_layout, self.attention_window)
 
     def biased_key_frames(
         self, engine: BaseKVCacheEngine, slot_frames: tuple[int, ...] | None = None
@@ -132,8 +140,9 @@ class CausalContext:
         (``store_kv=False``; cache passes are never biased), a query of the chunk starting at frame ``s`` biases the
         keys of the frames ``1 <= f < s`` it sees: every cached key except the anchor and its own chunk.
 
-        * The anchor is the video's first latent frame (frame 0, the first frame the cache holds; under a
-          recompute rollout, the first frame of the rebuilt context). Under a window with a sink it is the sink's
+        * The anchor is the sink rule's (:attr:`SinkRule.anchor <fastgen_diffusers.kv_cache.sink.SinkRule.anchor>`):
+          the video's first latent frame (frame 0, the first frame the cache holds; under a recompute rollout, the
+          first frame of the rebuilt context). Under a window with a sink it is the sink's
           first frame, always visible; the sink's other frames are biased like any past frame. Under a window
           without a sink frame 0 leaves the window, and then every cached key the chunk sees is biased.
         * A call of several chunks: a query's "current chunk" is its own chunk, so the keys of the call's earlier
@@ -158,7 +167,8 @@ class CausalContext:
         for chunk_frames in self.chunk_layout:
             starts.append(start)
             start += chunk_frames
-        rows = tuple(tuple(ANCHOR_FRAME < frame < chunk_start for frame in frames) for chunk_start in starts)
+        anchor = engine.ledger.pins(self.attention_window).anchor
+        rows = tuple(tuple(anchor < frame < chunk_start for frame in frames) for chunk_start in starts)
         return rows if any(any(row) for row in rows) else None
 
     def self_attention_masks(
@@ -184,6 +194,7 @@ class CausalContext:
             device,
             biased,
             math.log(self.attention_bias),
+            self.key_plan(engine) if self.is_multi_chunk else None,
         )
 
 

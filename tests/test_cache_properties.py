@@ -11,6 +11,7 @@ import copy
 import functools
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 from cache_state import assert_same_state, model_state
 from conftest import make_causal_transformer
@@ -137,7 +138,8 @@ def fail_in_block(model, index: int):
     return model.blocks[index].register_forward_pre_hook(fail)
 
 
-def run_sequence(chunk_size: int, kind: str, window_index: int, operations: list) -> None:
+def run_sequence(chunk_size: int, kind: str, window_index: int, operations: list, event=event) -> None:
+    """Run ``operations`` (``event``: hypothesis's, or a no-op outside a hypothesis test)."""
     model, oracle = models(chunk_size)
     window, sink = WINDOWS[chunk_size][window_index]
     options = {"window_frames": window, "sink_frames": sink}
@@ -215,3 +217,41 @@ def test_random_operation_sequences_match_a_fresh_model_and_invalid_calls_change
     chunk_size, kind, window_index, operations
 ):
     run_sequence(chunk_size, kind, window_index, operations)
+
+
+@pytest.mark.parametrize("kind", ["static", "vanilla"])
+@torch.no_grad()
+def test_a_rewind_past_the_held_chunks_to_an_evicted_boundary(kind):
+    """Chunks of 1, window 2, no sink: frame 0, then frames 1..3 in one call (the window evicts frames 0 and 1 and
+    forgets the chunk start at frame 1), then a rewind of 3 frames to frame 1 works (it cuts no held chunk) and the
+    calls after it still match the oracle; a truncation inside a held chunk is still refused, before any change."""
+    run_sequence(1, kind, 1, [("call", "pos", 0, 1, True, 1, None), ("call", "pos", 1, 3, True, 2, None)], print)
+    engine = models(1)[0].kv_cache_engines["main"]
+    assert engine.tag_state("pos").chunk_starts == [0, 2, 3]
+    operations = [
+        ("call", "pos", 0, 1, True, 1, None),
+        ("call", "pos", 1, 3, True, 2, None),
+        ("rewind", "pos", 3),
+        ("call", "pos", 1, 1, True, 3, None),  # needs the evicted frame 0: refused
+        ("call", "pos", 0, 2, True, 4, None),
+        ("rewind", "pos", 1),
+        ("call", "pos", 1, 1, False, 5, None),
+    ]
+    run_sequence(1, kind, 1, operations, print)
+    assert models(1)[0].kv_cache_engines["main"].num_stored_frames("pos") == 1
+
+
+@torch.no_grad()
+def test_a_truncation_inside_a_held_chunk_is_refused_before_any_change():
+    model = models(2)[0]
+    model.set_kv_cache_engines(make_engines(model, "static", window_frames=4))
+    engine = model.kv_cache_engines["main"]
+    call = dict(timestep=torch.zeros(1, 4), encoder_hidden_states=prompt("pos"), store_kv=True, return_dict=False)
+    model(torch.randn(1, 16, 4, 2, 2), start_frame=0, **call)
+    model(torch.randn(1, 16, 4, 2, 2), start_frame=4, **call)  # evicts frames 0..3; holds the chunks at 4 and 6
+    before = model_state(model)
+    with pytest.raises(ValueError, match="Cannot truncate cache_tag 'pos' at frame 5"):
+        engine.truncate("pos", 5)
+    assert_same_state(before, model_state(model))
+    engine.truncate("pos", 3)  # inside an evicted chunk: the tag holds nothing before it
+    assert engine.num_stored_frames("pos") == 3 and engine.held_frames("pos") == 0

@@ -96,11 +96,14 @@ def test_edits_return_the_frames_they_drop():
         store(book, start, 2)
     assert book.truncate("pos", 6) == (6, 8)
     assert book.num_frames("pos") == 6
+    with pytest.raises(ValueError, match="Cannot truncate cache_tag 'pos' at frame 5"):
+        book.truncate("pos", 5)  # inside the held chunk [4, 6)
     assert book.flush("pos", 1) == (1, 5)
     assert book.state("pos").flushed_before == 5
     assert book.skip_evicted("pos", 9) == (1, 9) and book.state("pos").recaching
-    with pytest.raises(ValueError, match="truncate"):
-        book.truncate("pos", 3)
+    assert book.truncate("pos", 3) == (3, 9)  # every frame past the sink's chunk is evicted: nothing held is cut
+    with pytest.raises(ValueError, match="Cannot truncate cache_tag 'pos' at frame 1"):
+        book.truncate("pos", 1)  # inside the sink's chunk [0, 2)
 
 
 def test_a_call_the_ledger_refuses_is_refused_before_any_work():

@@ -217,3 +217,28 @@ def test_recache_keeping_the_sink_runs_one_forward_per_switch(pipe):
     assert stores == [(0, 3), (3, 3), (0, 6), (6, 3), (6, 3)]
     assert len(kept_calls) < len(rerun_calls)
     assert torch.equal(rerun[:, :, :6], kept[:, :, :6]) and (rerun[:, :, 6:] - kept[:, :, 6:]).abs().max() > 1e-4
+
+
+def test_recache_keeping_the_sink_at_switches_closer_than_the_window(pipe):
+    """Window 12, sink 3 (9 recent frames), 21 latent frames: the switch at frame 12 re-runs frames 0..11 in one
+    forward; the switch at frame 15 then truncates inside those frames (at frame 6) and re-runs 6..14, as LongLive's
+    does; a blended transition (a recache at each of its chunks) too. The frames before the second switch equal a run
+    with the first switch only; the runs are finite and deterministic."""
+    call = {
+        **CALL,
+        "num_frames": 81,
+        "recache": True,
+        "recache_sink": "keep",
+        "attention_window": 12,
+        "sink_frames": 3,
+    }
+
+    def latents(schedule, **kwargs):
+        return pipe(prompt_embeds=schedule, generator=torch.Generator().manual_seed(0), **call, **kwargs).frames
+
+    both = latents({0: A, 45: B, 57: C})
+    first = latents({0: A, 45: B})
+    assert torch.isfinite(both).all() and torch.equal(both, latents({0: A, 45: B, 57: C}))
+    assert torch.equal(both[:, :, :15], first[:, :, :15]) and (both[:, :, 15:] - first[:, :, 15:]).abs().max() > 1e-4
+    blended = latents({0: A, 45: B}, prompt_transition_chunks=2)
+    assert torch.isfinite(blended).all() and torch.equal(blended[:, :, :12], first[:, :, :12])

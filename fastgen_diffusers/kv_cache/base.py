@@ -73,12 +73,13 @@ from torch import nn
 from .accounting import expected_scale_bytes
 from .cross import CrossKVCache, CrossKVEntry, CrossKVMode
 from .ema_sink import check_ema_chunks, ema_update
-from .ledger import Ledger, SinkRule
+from .ledger import Ledger
 from .masks import BlockMaskMemo
 from .options import SINK_UPDATES, check_kv_cache_dtype, check_rope_and_sink_settings
 from .plan import CallPlan, PrefixView, SlotPlan, SlotView
 from .positions import RopePositions
 from .registry import BlockRegistry
+from .sink import SinkRule
 from .storage import ChunkListStorage, KVStorage, StorageLayout, codec_for
 from .tags import TagState, TagTable
 from .window import AttentionWindow
@@ -248,8 +249,7 @@ class EngineViews:
         """Cached ``(key, value)``, each ``(B, prefix_tokens, H, D)`` in frame order, visible to a call at
         ``start_frame`` whose first chunk has ``first_chunk_frames`` frames, under the engine's window or the call's
         own ``attention_window``; ``None`` when nothing is visible (what a :class:`PrefixView` gathers)."""
-        sink_end, recent_start = self.ledger.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
-        ranges = ((0, sink_end), (recent_start, start_frame))
+        ranges = self.ledger.prefix_ranges(cache_tag, start_frame, first_chunk_frames, attention_window)
         keys, values = self._self_kv[block_idx][cache_tag].read(self.ledger.slot_ranges(ranges))
         if not keys:
             return None
@@ -266,7 +266,7 @@ class EngineViews:
         end_frame = start_frame + key.shape[1] // state.frame_seqlen
         self._drop(entry, start_frame, max(state.num_frames, start_frame))
         kept = self.ledger.store_window(cache_tag, start_frame, end_frame)
-        self._drop(entry, self.window.sink, state.evicted_before)
+        self._evict(entry, 0, state.evicted_before)
         for frames in kept:
             self._write(entry, state, key.detach(), value.detach(), start_frame, frames)
 
@@ -350,7 +350,7 @@ class EngineViews:
         LongLive's recache under a window: only the chunks the window still holds are re-run, each seeing the sink
         and the re-run chunks before it.
         """
-        self._drop_all(cache_tag, *self.ledger.skip_evicted(cache_tag, resume_frame))
+        self._evict_all(cache_tag, *self.ledger.skip_evicted(cache_tag, resume_frame))
 
     def end_recache(self, cache_tag: str) -> None:
         """Close the windowed recache of ``cache_tag`` (:meth:`skip_evicted`): the usual rules apply again."""
@@ -362,7 +362,7 @@ class EngineViews:
         frames only (the dropped ones are no error, as evicted frames of a windowed recache are not)."""
         dropped = self.ledger.flush(cache_tag, keep_frames)
         if dropped is not None:
-            self._drop_all(cache_tag, *dropped)
+            self._evict_all(cache_tag, *dropped)
 
     def set_rope_cut(self, cache_tag: str, position: int | None) -> None:
         """Scene cut (Infinity-RoPE's ``rope_cut``): until set back to ``None``, the frames of each call of
@@ -633,7 +633,7 @@ class BaseKVCacheEngine(EngineViews):
             return
         if eviction.fold is not None:
             self._fold_into_sink(cache_tag, *eviction.fold)
-        self._drop_all(cache_tag, self.window.sink, eviction.last)
+        self._evict_all(cache_tag, 0, eviction.last)
 
     def plan_call(
         self,
@@ -764,6 +764,15 @@ class BaseKVCacheEngine(EngineViews):
     def _drop_all(self, cache_tag: str, first: int, last: int) -> None:
         for per_tag in self._self_kv:
             self._drop(per_tag[cache_tag], first, last)
+
+    def _evict(self, entry: KVStorage, first: int, last: int) -> None:
+        """The unpinned frames of ``[first, last)`` (the sink rule's) leave one storage: free their slots."""
+        for start, stop in self.ledger.evicted_slot_ranges(first, last):
+            entry.evict(start, stop)
+
+    def _evict_all(self, cache_tag: str, first: int, last: int) -> None:
+        for per_tag in self._self_kv:
+            self._evict(per_tag[cache_tag], first, last)
 
     def _frames_kv(self, entry: KVStorage, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Held frames ``[first, last)`` of ``entry`` as ``(key, value)`` ``(B, (last - first) * S, H, D)``."""

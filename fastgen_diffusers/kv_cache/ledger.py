@@ -15,41 +15,62 @@ from dataclasses import dataclass
 from typing import Any
 
 from .positions import RopePositionMode, RopePositions, check_chunk_positions
+from .sink import SinkRule, frame_ranges
 from .tags import TagState, TagTable
 from .window import AttentionWindow, check_ema_eviction
 
-__all__ = ["Eviction", "Ledger", "SinkRule"]
+__all__ = ["Eviction", "KeyPlan", "Ledger", "SinkRule", "plan_keys", "visible_prefix"]
 
 
 @dataclass(frozen=True)
-class SinkRule:
-    """Which frames are pinned in the cache (kept and attended to for ever) and how they are updated.
+class KeyPlan:
+    """The keys one call reads, as the ledger plans them: what the masks of a multi-chunk call are built from.
 
     Attributes:
-        frames: the pinned frames are the first ``frames`` latent frames of the video.
-        update: ``"fixed"`` (a pinned frame keeps the K/V it was stored with) or ``"ema"`` (Reward Forcing: frames
-            leaving the window are folded into the pinned ones, ``sink = decay * sink + (1 - decay) * evicted``).
-        decay: the EMA's decay.
+        start_frame: the call's first frame.
+        frames: the latent frame of every key frame, in the order attention reads them (the gathered prefix in frame
+            order, then the call's frames).
+        pinned: per key frame, whether the sink rule pins it (seen by every later query, whatever the window).
     """
 
-    frames: int = 0
-    update: str = "fixed"
-    decay: float = 0.999
+    start_frame: int
+    frames: tuple[int, ...]
+    pinned: tuple[bool, ...]
 
-    def pinned(self, frame: int) -> bool:
-        """Whether ``frame`` is pinned."""
-        return frame < self.frames
+    @property
+    def prefix_pinned(self) -> int:
+        """Pinned key frames of the cached prefix."""
+        return sum(p for f, p in zip(self.frames, self.pinned) if f < self.start_frame)
 
-    def pinned_range(self, num_frames: int) -> tuple[int, int]:
-        """The pinned frames among the first ``num_frames``, as ``[first, last)``."""
-        return 0, min(self.frames, num_frames)
+    @property
+    def prefix_recent(self) -> int:
+        """Unpinned key frames of the cached prefix."""
+        return sum(not p for f, p in zip(self.frames, self.pinned) if f < self.start_frame)
 
-    def fold(self, first: int, last: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
-        """Where the evicted frames ``[first, last)`` go: ``(pinned frames, evicted frames)`` ranges the EMA blends
-        one to one, or ``None`` when the rule keeps its pinned frames as stored."""
-        if self.update != "ema":
-            return None
-        return (0, last - first), (first, last)
+    def pattern(self) -> tuple[int | None, ...]:
+        """Per key frame its offset from the call's start, ``None`` for a pinned frame of the prefix (seen by every
+        query of the call, wherever it is): what a mask's pattern depends on."""
+        return tuple(
+            None if p and f < self.start_frame else f - self.start_frame for f, p in zip(self.frames, self.pinned)
+        )
+
+
+def plan_keys(
+    window: AttentionWindow, pins: SinkRule, start_frame: int, num_frames: int, prefix: Sequence[int]
+) -> KeyPlan:
+    """The :class:`KeyPlan` of a call reading the cached frames ``prefix`` (frame order) then its own frames."""
+    frames = (*prefix, *range(start_frame, start_frame + num_frames))
+    return KeyPlan(start_frame, frames, tuple(pins.pinned(frame) for frame in frames))
+
+
+def visible_prefix(window: AttentionWindow, pins: SinkRule, start_frame: int, recent_start: int) -> list[int]:
+    """The cached frames a call at ``start_frame`` reads, in frame order: the pinned frames before it and the unpinned
+    frames from ``recent_start`` on (``recent_start``: :meth:`AttentionWindow.visible`, clipped to what is held)."""
+    recent = [frame for frame in range(recent_start, start_frame) if not pins.pinned(frame)]
+    pinned = pins.pinned_frames(start_frame) if window.bounded else ()
+    if not pinned or not recent or pinned[-1] < recent[0]:
+        return [*pinned, *recent]
+    return sorted({*pinned, *recent})
 
 
 @dataclass(frozen=True)
@@ -82,6 +103,11 @@ class Ledger:
         self.positions = positions
         self.positions_name = positions_name
         self.fixed_slots = bool(fixed_slots)
+        if self.fixed_slots and window.bounded and not sink.at_front:
+            raise ValueError(
+                "A storage with fixed slots keeps the pinned frames in the first slots of its ring, but the sink rule "
+                f"{type(sink).__name__} pins later frames: use a storage without fixed slots (the vanilla engine's)."
+            )
         self.tags = TagTable()
 
     # ------------------------------------------------------------------ reads
@@ -94,11 +120,18 @@ class Ledger:
     def held_frames(self, cache_tag: str) -> int:
         """Frames of ``cache_tag`` whose K/V the engine holds (the pinned frames and the frames not evicted)."""
         state = self.tags.get(cache_tag)
-        return 0 if state is None else self.window.held_frames(state.num_frames, state.evicted_before)
+        if state is None or not self.window.bounded:
+            return 0 if state is None else state.num_frames
+        held = self.sink.unpinned_ranges(state.evicted_before, state.num_frames)
+        return len(self.sink.pinned_frames(state.num_frames)) + sum(last - first for first, last in held)
 
     def rope_offset(self, cache_tag: str) -> int:
         state = self.tags.get(cache_tag)
         return 0 if state is None else state.rope_offset
+
+    def pins(self, attention_window: AttentionWindow | None = None) -> SinkRule:
+        """The sink rule a call reads under: the engine's, or the fixed rule of a call's own window's sink."""
+        return self.sink if attention_window is None else SinkRule(attention_window.sink)
 
     def held_visible(
         self,
@@ -124,9 +157,32 @@ class Ledger:
         first_chunk_frames: int = 1,
         attention_window: AttentionWindow | None = None,
     ) -> list[int]:
-        """The frames of a call's gathered prefix, in frame order."""
-        sink_end, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
-        return [*range(sink_end), *range(recent_start, start_frame)]
+        """The frames of a call's gathered prefix, in frame order: the sink rule's pinned and the recent frames."""
+        window = self.window if attention_window is None else attention_window
+        _, recent_start = self.held_visible(cache_tag, start_frame, first_chunk_frames, attention_window)
+        return visible_prefix(window, self.pins(attention_window), start_frame, recent_start)
+
+    def prefix_ranges(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        first_chunk_frames: int = 1,
+        attention_window: AttentionWindow | None = None,
+    ) -> list[tuple[int, int]]:
+        """:meth:`prefix_frames` as ascending ``[first, last)`` frame ranges (what a gathered prefix reads)."""
+        return frame_ranges(self.prefix_frames(cache_tag, start_frame, first_chunk_frames, attention_window))
+
+    def key_plan(
+        self,
+        cache_tag: str,
+        start_frame: int,
+        chunk_layout: Sequence[int],
+        attention_window: AttentionWindow | None = None,
+    ) -> KeyPlan:
+        """The keys a gathered call reads in order, each with whether it is pinned (what its masks are built from)."""
+        prefix = self.prefix_frames(cache_tag, start_frame, chunk_layout[0], attention_window)
+        window = self.window if attention_window is None else attention_window
+        return plan_keys(window, self.pins(attention_window), start_frame, sum(chunk_layout), prefix)
 
     def key_frames(
         self,
@@ -159,8 +215,8 @@ class Ledger:
         """Temporal RoPE positions of the keys a call reads (in its order) and of its queries, by the positions
         mode; a RoPE cut moves the call's own frames."""
         frames = self.key_frames(cache_tag, start_frame, num_frames, first_chunk_frames, in_place, attention_window)
-        window = self.window if attention_window is None else attention_window
-        positions = dict(zip(frames, self.positions.rule(frames, window, self.rope_offset(cache_tag))))
+        pins = self.pins(attention_window)
+        positions = dict(zip(frames, self.positions.rule(frames, pins, self.rope_offset(cache_tag))))
         state = self.tags.get(cache_tag)
         if state is not None and state.rope_cut is not None:
             positions.update({start_frame + i: state.rope_cut + i for i in range(num_frames)})
@@ -203,6 +259,14 @@ class Ledger:
             first = max(first, last - self.window.room)
         return self.slot_ranges(((first, last),))
 
+    def evicted_slot_ranges(self, first: int, last: int) -> list[tuple[int, int]]:
+        """The slot ranges an eviction of ``[first, last)`` frees: those of its unpinned frames (the sink rule's)."""
+        return [
+            slots
+            for low, high in self.sink.unpinned_ranges(first, last)
+            for slots in self.freed_slot_ranges(low, high)
+        ]
+
     def slot_frames(self, end_frame: int) -> tuple[int, ...]:
         """The frame each of the first ``window.slots(end_frame)`` slots holds once frames ``[0, end_frame)`` have
         been written (the pinned and the most recent frames under a window)."""
@@ -222,8 +286,8 @@ class Ledger:
             return []
         frames = [(0, state.num_frames)]
         if self.window.bounded:
-            pinned = self.sink.pinned_range(state.num_frames)
-            frames = [pinned, (max(self.window.sink, state.evicted_before), state.num_frames)]
+            pinned = self.sink.pinned_ranges(0, state.num_frames)
+            frames = sorted([*pinned, *self.sink.unpinned_ranges(state.evicted_before, state.num_frames)])
         return self.slot_ranges(frames)
 
     # ------------------------------------------------------------------ checks (write nothing)
@@ -264,7 +328,13 @@ class Ledger:
             layout_ = tuple(chunk_layout)
             frames = self.key_frames(cache_tag, start_frame, sum(layout_), layout_[0], False, attention_window)
             check_chunk_positions(
-                self.positions_name, window, frames, start_frame, layout_, self.rope_offset(cache_tag)
+                self.positions_name,
+                window,
+                frames,
+                start_frame,
+                layout_,
+                self.rope_offset(cache_tag),
+                self.pins(attention_window),
             )
 
     def check_call_window(
@@ -314,9 +384,10 @@ class Ledger:
         if not self.window.bounded or state is None or attention_window is not None:
             return None
         _, recent_start = self.window.visible(start_frame, first_chunk_frames)
-        first = max(self.window.sink, state.evicted_before)
-        if recent_start <= first:
+        unpinned = self.sink.unpinned_ranges(state.evicted_before, recent_start)
+        if not unpinned:
             return None
+        first = unpinned[0][0]
         fold = None if state.recaching else self.sink.fold(first, recent_start)
         state.evicted_before = recent_start
         return Eviction(first, recent_start, fold)
@@ -329,7 +400,18 @@ class Ledger:
             # frames >= start_frame are replaced by this store; the window then evicts what precedes recent_start
             recent_start = self.window.recent_start(end_frame)
             state.evicted_before = max(min(state.evicted_before, start_frame), recent_start)
-        return self.window.kept_ranges(start_frame, end_frame)
+        return self.kept_ranges(start_frame, end_frame)
+
+    def kept_ranges(self, start_frame: int, end_frame: int) -> list[tuple[int, int]]:
+        """The parts of a store of ``[start_frame, end_frame)`` the engine keeps: its pinned frames and the frames a
+        window still shows after it (:meth:`AttentionWindow.recent_start`), as ascending ranges."""
+        if not self.window.bounded:
+            return [(start_frame, end_frame)]
+        recent = min(max(start_frame, self.window.recent_start(end_frame)), end_frame)
+        pinned = self.sink.pinned_ranges(start_frame, recent)
+        if pinned and pinned[-1][1] == recent:
+            return [*pinned[:-1], (pinned[-1][0], end_frame)] if recent < end_frame else pinned
+        return [*pinned, (recent, end_frame)] if recent < end_frame else pinned
 
     def commit_store(
         self, cache_tag: str, start_frame: int, num_frames: int, chunk_layout: Sequence[int] | None = None
@@ -342,7 +424,7 @@ class Ledger:
     # ------------------------------------------------------------------ edits (return the frames they drop)
     def truncate(self, cache_tag: str, end_frame: int) -> tuple[int, int] | None:
         """Record that every frame ``>= end_frame`` is gone; the frames dropped, or ``None``."""
-        if not self.tags.check_truncate(cache_tag, end_frame):
+        if not self.tags.check_truncate(cache_tag, end_frame, self.window.sink):
             return None
         dropped = (end_frame, self.tags[cache_tag].num_frames)
         self.tags.truncate(cache_tag, end_frame)

@@ -1,11 +1,13 @@
 """Block-causal attention masks and per-key attention biases over ``[visible cached prefix | tokens of this call]``,
 memoised.
 
-One rule, one ``mask_mod``: a query of the chunk ending at frame ``e`` sees the key of frame ``k`` iff
-``window.sees(k, e)`` (:meth:`AttentionWindow.sees`: ``k < e``, and inside the window and sink when there is one).
-Chunks are laid out by :func:`fastgen_diffusers.chunking.chunk_layout`; keys are in frame order, as engines return
-the prefix of a multi-chunk call. The SDPA boolean mask is that ``mask_mod`` materialised by torch's ``create_mask``,
-the FlexAttention ``BlockMask`` is the same ``mask_mod`` given to ``create_block_mask``.
+One rule, one ``mask_mod``: a query of the chunk ending at frame ``e`` sees the key of frame ``k`` iff ``k < e`` and,
+under a window, ``k`` is pinned or among the window's ``room`` most recent frames (:meth:`SinkRule.sees
+<fastgen_diffusers.kv_cache.sink.SinkRule.sees>`). The keys and whether each is pinned come from the ledger's plan of
+the call (:class:`~fastgen_diffusers.kv_cache.ledger.KeyPlan`: the frames read, in order); this module never
+recomputes them. Chunks are laid out by :func:`fastgen_diffusers.chunking.chunk_layout`. The SDPA boolean mask is
+that ``mask_mod`` materialised by torch's ``create_mask``, the FlexAttention ``BlockMask`` is the same ``mask_mod``
+given to ``create_block_mask``.
 
 An additive attention bias (:class:`AttentionBias`) is built here from per-key-frame flags that the caller decides
 (:meth:`fastgen_diffusers.context.CausalContext.self_attention_masks` says which keys are biased); this module only
@@ -25,29 +27,33 @@ from typing import Any
 import torch
 import torch._dynamo
 
+from .ledger import KeyPlan, plan_keys, visible_prefix
+from .sink import SinkRule
 from .window import AttentionWindow
 
 MASK_BACKENDS = ("sdpa", "flex")
 
 
-def key_frames(
-    window: AttentionWindow, start_frame: int, chunk_layout: tuple[int, ...], frame_seqlen: int, device
-) -> torch.Tensor:
-    """``(prefix + L,)`` absolute latent frame of every key of ``[sink | recent | this call]`` (frame order)."""
-    sink_end, recent_start = window.visible(start_frame, chunk_layout[0])
-    frames = torch.cat(
-        [
-            torch.arange(sink_end),
-            torch.arange(recent_start, start_frame),
-            torch.arange(start_frame, start_frame + sum(chunk_layout)),
-        ]
-    )
-    return frames.repeat_interleave(frame_seqlen).to(device)
+def window_key_plan(window: AttentionWindow, start_frame: int, chunk_layout: tuple[int, ...]) -> KeyPlan:
+    """The :class:`KeyPlan` of a call reading everything ``window`` shows (its sink as a fixed sink rule): the plan
+    of a cache that holds every frame, for callers without an engine."""
+    pins = SinkRule(window.sink)
+    _, recent_start = window.visible(start_frame, chunk_layout[0])
+    prefix = visible_prefix(window, pins, start_frame, recent_start)
+    return plan_keys(window, pins, start_frame, sum(chunk_layout), prefix)
 
 
-def query_chunk_ends(start_frame: int, chunk_layout: tuple[int, ...], frame_seqlen: int, device) -> torch.Tensor:
-    """``(L,)`` end frame (exclusive) of the chunk of every query token of this call."""
-    ends, end = [], start_frame
+def key_offsets(keys: KeyPlan, frame_seqlen: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prefix + L,)`` offset from the call's start of every key token (-1 for a pinned frame of the prefix, seen
+    by every query) and whether it is pinned."""
+    offsets = torch.tensor([-1 if offset is None else offset for offset in keys.pattern()], dtype=torch.int64)
+    pinned = torch.tensor(keys.pinned, dtype=torch.bool)
+    return offsets.repeat_interleave(frame_seqlen).to(device), pinned.repeat_interleave(frame_seqlen).to(device)
+
+
+def query_chunk_ends(chunk_layout: tuple[int, ...], frame_seqlen: int, device) -> torch.Tensor:
+    """``(L,)`` end (exclusive, as an offset from the call's start) of the chunk of every query token of this call."""
+    ends, end = [], 0
     for frames in chunk_layout:
         end += frames
         ends.append(torch.full((frames * frame_seqlen,), end, dtype=torch.int64))
@@ -55,35 +61,56 @@ def query_chunk_ends(start_frame: int, chunk_layout: tuple[int, ...], frame_seql
 
 
 def block_causal_mask_mod(
-    window: AttentionWindow, start_frame: int, chunk_layout: tuple[int, ...], frame_seqlen: int, device
+    window: AttentionWindow,
+    start_frame: int,
+    chunk_layout: tuple[int, ...],
+    frame_seqlen: int,
+    device,
+    keys: KeyPlan | None = None,
 ) -> tuple[Callable, int, int]:
-    """``(mask_mod, Q_LEN, KV_LEN)`` of a call at ``start_frame`` split into ``chunk_layout``."""
-    keys = key_frames(window, start_frame, chunk_layout, frame_seqlen, device)
-    ends = query_chunk_ends(start_frame, chunk_layout, frame_seqlen, device)
+    """``(mask_mod, Q_LEN, KV_LEN)`` of a call at ``start_frame`` split into ``chunk_layout`` reading the keys of
+    ``keys`` (the ledger's plan; ``None``: :func:`window_key_plan`)."""
+    keys = window_key_plan(window, start_frame, chunk_layout) if keys is None else keys
+    offsets, pinned = key_offsets(keys, frame_seqlen, device)
+    ends = query_chunk_ends(chunk_layout, frame_seqlen, device)
+    room = window.room
 
     def mask_mod(batch, head, q_idx, kv_idx):
-        return window.sees(keys[kv_idx], ends[q_idx])
+        key, end = offsets[kv_idx], ends[q_idx]
+        if room is None:
+            return key < end
+        return (key < end) & (pinned[kv_idx] | (key >= end - room))
 
-    return mask_mod, ends.shape[0], keys.shape[0]
+    return mask_mod, ends.shape[0], offsets.shape[0]
 
 
 def build_sdpa_mask(
-    window: AttentionWindow, start_frame: int, chunk_layout: tuple[int, ...], frame_seqlen: int, device
+    window: AttentionWindow,
+    start_frame: int,
+    chunk_layout: tuple[int, ...],
+    frame_seqlen: int,
+    device,
+    keys: KeyPlan | None = None,
 ) -> torch.Tensor:
     """Boolean ``(1, 1, L, prefix + L)`` mask (True = attend) for ``F.scaled_dot_product_attention``."""
     from torch.nn.attention.flex_attention import create_mask
 
-    mask_mod, q_len, kv_len = block_causal_mask_mod(window, start_frame, chunk_layout, frame_seqlen, device)
+    mask_mod, q_len, kv_len = block_causal_mask_mod(window, start_frame, chunk_layout, frame_seqlen, device, keys)
     return create_mask(mask_mod, 1, 1, q_len, kv_len, device=device)
 
 
 def build_flex_mask(
-    window: AttentionWindow, start_frame: int, chunk_layout: tuple[int, ...], frame_seqlen: int, device
+    window: AttentionWindow,
+    start_frame: int,
+    chunk_layout: tuple[int, ...],
+    frame_seqlen: int,
+    device,
+    keys: KeyPlan | None = None,
 ):
     """FlexAttention ``BlockMask`` of the same ``mask_mod`` as :func:`build_sdpa_mask`."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    mask_mod, q_len, kv_len = block_causal_mask_mod(window, start_frame, chunk_layout, frame_seqlen, device)
+    mask_mod, q_len, kv_len = block_causal_mask_mod(window, start_frame, chunk_layout, frame_seqlen, device, keys)
     return create_block_mask(mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device, _compile=False)
 
 
@@ -138,8 +165,9 @@ def build_attention_bias(
 class BlockMaskMemo:
     """Masks already built, keyed by everything their pattern depends on.
 
-    The pattern of a call depends on its start frame only through what its prefix holds and, near the start of the
-    video, through which of its own frames are sink frames; calls that agree on those share one mask.
+    The pattern of a call depends on its start frame only through the keys the ledger plans (:class:`KeyPlan`): how
+    many pinned and recent frames its prefix holds and each key's offset from the call's start (a pinned frame of the
+    prefix is seen wherever it is); calls that agree on those share one mask.
     """
 
     max_biases = 64  # attention biases kept (least recently used dropped): a long rollout without a window sees
@@ -153,7 +181,8 @@ class BlockMaskMemo:
         return len(self._masks)
 
     def keys(self) -> list[tuple]:
-        """``(backend, device, window, chunk_layout, frame_seqlen, sink_end, recent_frames, own_sink_frames)``."""
+        """``(backend, device, window, chunk_layout, frame_seqlen, pinned_frames, recent_frames, pattern)``: the
+        prefix's pinned and unpinned key frames, and :meth:`KeyPlan.pattern`."""
         return list(self._masks)
 
     def clear(self) -> None:
@@ -177,29 +206,31 @@ class BlockMaskMemo:
         chunk_layout: tuple[int, ...],
         frame_seqlen: int,
         device,
+        keys: KeyPlan | None = None,
     ) -> Any:
-        """The mask of a multi-chunk call (``backend``: ``"sdpa"`` or ``"flex"``), built on first use."""
-        key = self._mask_key(backend, window, start_frame, chunk_layout, frame_seqlen, device)
+        """The mask of a multi-chunk call (``backend``: ``"sdpa"`` or ``"flex"``) reading the keys of ``keys`` (the
+        ledger's plan; ``None``: :func:`window_key_plan`), built on first use."""
+        keys = window_key_plan(window, start_frame, tuple(chunk_layout)) if keys is None else keys
+        key = self._mask_key(backend, window, chunk_layout, frame_seqlen, device, keys)
         mask = self._masks.get(key)
         if mask is None:
             build = build_flex_mask if backend == "flex" else build_sdpa_mask
-            mask = self._masks[key] = build(window, start_frame, chunk_layout, frame_seqlen, device)
+            mask = self._masks[key] = build(window, start_frame, chunk_layout, frame_seqlen, device, keys)
         return mask
 
     @staticmethod
-    def _mask_key(backend, window, start_frame, chunk_layout, frame_seqlen, device) -> tuple:
+    def _mask_key(backend, window, chunk_layout, frame_seqlen, device, keys: KeyPlan) -> tuple:
         if backend not in MASK_BACKENDS:
             raise ValueError(f"`backend` must be one of {MASK_BACKENDS}, got {backend!r}.")
-        sink_end, recent_start = window.visible(start_frame, chunk_layout[0])
         return (
             backend,
             torch.device(device),
             window,
             tuple(chunk_layout),
             frame_seqlen,
-            sink_end,
-            start_frame - recent_start,
-            min(start_frame, window.sink),
+            keys.prefix_pinned,
+            keys.prefix_recent,
+            keys.pattern(),
         )
 
     def bias(
@@ -212,6 +243,7 @@ class BlockMaskMemo:
         device,
         biased: tuple[tuple[bool, ...], ...],
         log_bias: float,
+        keys: KeyPlan | None = None,
     ) -> tuple[Any, AttentionBias | None]:
         """``(mask, bias)`` of a biased call, built on first use (see :func:`build_attention_bias` for ``biased``).
 
@@ -220,9 +252,15 @@ class BlockMaskMemo:
         ``"flex"``: ``(BlockMask or None, AttentionBias)``, the bias for a ``score_mod``.
         """
         multi_chunk = len(chunk_layout) > 1
-        mask = self.get(backend, window, start_frame, chunk_layout, frame_seqlen, device) if multi_chunk else None
-        pattern = self._mask_key(backend, window, start_frame, chunk_layout, frame_seqlen, device)
-        key = (pattern if multi_chunk else (backend, torch.device(device), frame_seqlen), biased, log_bias)
+        if multi_chunk:
+            keys = window_key_plan(window, start_frame, tuple(chunk_layout)) if keys is None else keys
+            mask = self.get(backend, window, start_frame, chunk_layout, frame_seqlen, device, keys)
+            pattern = self._mask_key(backend, window, chunk_layout, frame_seqlen, device, keys)
+        else:
+            if backend not in MASK_BACKENDS:
+                raise ValueError(f"`backend` must be one of {MASK_BACKENDS}, got {backend!r}.")
+            mask, pattern = None, (backend, torch.device(device), frame_seqlen)
+        key = (pattern, biased, log_bias)
         built = self._biases.get(key)
         if built is None:
             bias = build_attention_bias(biased, chunk_layout, frame_seqlen, log_bias, device)

@@ -9,12 +9,13 @@ its mode gives it, and the call's queries at the positions of the call's own fra
   ``[sink | recent frames | this call]`` sit at ``0 .. k-1``, so the sink sits right before the recent frames, the
   call's queries at ``k - F .. k-1``, and no position ever reaches the window size (a stream never leaves the RoPE
   table and never needs re-basing).
-* ``"anchor"`` (Rolling Forcing): every key at its absolute frame except the sink frames (the anchor), which sit
-  right before the oldest non-sink frame attended; with nothing else cached they stay where they are.
+* ``"anchor"`` (Rolling Forcing): every key at its absolute frame except the pinned frames (the anchor), which sit
+  right before the oldest unpinned frame attended, in order; with nothing else cached they stay where they are.
 
-A mode is a function ``(frames, window, rope_offset) -> positions``: ``frames`` are the absolute latent frames of the
-keys in the order the engine returns them (its prefix, then the call's own frames, or the static engine's slot order
-on its in-place path), the result one temporal position per frame. A new mode is one function and one
+A mode is a function ``(frames, pins, rope_offset) -> positions``: ``frames`` are the absolute latent frames of the
+keys in the order the engine's ledger plans them (its prefix, then the call's own frames, or the static engine's slot
+order on its in-place path), ``pins`` the ledger's :class:`~fastgen_diffusers.kv_cache.sink.SinkRule` (which of them
+are pinned), the result one temporal position per frame. A new mode is one function and one
 :class:`RopePositionMode` entry in :data:`ROPE_POSITION_MODES`.
 """
 
@@ -23,28 +24,33 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .sink import SinkRule, sink_rule_of
 from .window import AttentionWindow
 
-PositionRule = Callable[[Sequence[int], AttentionWindow, int], list[int]]
+PositionRule = Callable[[Sequence[int], SinkRule, int], list[int]]
 
 
-def absolute_positions(frames: Sequence[int], window: AttentionWindow, rope_offset: int) -> list[int]:
+def absolute_positions(frames: Sequence[int], pins: SinkRule, rope_offset: int) -> list[int]:
     """Every key at its frame's position, ``frame - rope_offset`` (the keys stored after RoPE are rotated so)."""
     return [frame - rope_offset for frame in frames]
 
 
-def window_positions(frames: Sequence[int], window: AttentionWindow, rope_offset: int) -> list[int]:
+def window_positions(frames: Sequence[int], pins: SinkRule, rope_offset: int) -> list[int]:
     """Every key at its rank among the attended frames in frame order (slots of ``[sink | recent | call]``)."""
     rank = {frame: slot for slot, frame in enumerate(sorted(frames))}
     return [rank[frame] for frame in frames]
 
 
-def anchor_positions(frames: Sequence[int], window: AttentionWindow, rope_offset: int) -> list[int]:
-    """Every key at ``frame - rope_offset``, except the sink frames (``frame < window.sink``): they are moved to sit
-    right before the oldest non-sink frame attended, in order (the anchor re-rotated to the front of the window)."""
-    sink = window.sink
-    oldest = min((frame for frame in frames if frame >= sink), default=sink)
-    return [(frame if frame >= sink else oldest - sink + frame) - rope_offset for frame in frames]
+def anchor_positions(frames: Sequence[int], pins: SinkRule | AttentionWindow, rope_offset: int) -> list[int]:
+    """Every key at ``frame - rope_offset``, except the pinned frames (``pins``: the sink rule, or a window's sink):
+    they are moved to sit right before the oldest unpinned frame attended, in the order of the rule's pinned frames
+    (the anchor re-rotated to the front of the window)."""
+    pins = sink_rule_of(pins)
+    oldest = min((frame for frame in frames if not pins.pinned(frame)), default=None)
+    if oldest is None:  # nothing but pinned frames: they stay where they are
+        return [frame - rope_offset for frame in frames]
+    front = oldest - pins.count_before(oldest)
+    return [(front + pins.count_before(frame) if pins.pinned(frame) else frame) - rope_offset for frame in frames]
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,7 @@ class RopePositionMode:
     """One value of an engine's ``rope_positions``.
 
     Attributes:
-        rule: ``(frames, window, rope_offset) -> positions`` (see the module docstring).
+        rule: ``(frames, pins, rope_offset) -> positions`` (see the module docstring).
         keys_before_rope: whether the engine stores keys un-rotated (rotated at read time by ``rule``).
         needs_window: whether the mode is only defined with a sliding window (``window_frames``).
         bounded: whether every position stays below the window size, so that a stream of any length stays inside
@@ -93,6 +99,7 @@ def check_chunk_positions(
     start_frame: int,
     chunk_layout: Sequence[int],
     rope_offset: int = 0,
+    pins: SinkRule | None = None,
 ) -> None:
     """Raise ``ValueError`` unless a call of several chunks gives every chunk the key positions of a call of that chunk
     alone, under positions mode ``mode_name`` (keys stored before RoPE).
@@ -105,12 +112,13 @@ def check_chunk_positions(
     the first one sees) they differ: refused rather than a silently different result.
     """
     rule = ROPE_POSITION_MODES[mode_name].rule
-    in_call = dict(zip(frames, rule(frames, window, rope_offset)))
+    pins = sink_rule_of(window if pins is None else pins)
+    in_call = dict(zip(frames, rule(frames, pins, rope_offset)))
     chunk_start = start_frame
     for chunk_frames in chunk_layout:
         chunk_end = chunk_start + chunk_frames
-        seen = [frame for frame in frames if window.sees(frame, chunk_end)]
-        alone = rule(seen, window, rope_offset)
+        seen = [frame for frame in frames if pins.sees(window, frame, chunk_end)]
+        alone = rule(seen, pins, rope_offset)
         if len({in_call[frame] - position for frame, position in zip(seen, alone)}) > 1:
             raise ValueError(
                 f"`rope_positions={mode_name!r}` positions keys by the frames a chunk attends to, and a call rotates "

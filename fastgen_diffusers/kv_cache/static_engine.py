@@ -35,7 +35,7 @@ growth happens a logarithmic number of times in a rollout; pass ``max_frames`` t
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
 from .base import BaseKVCacheEngine
 from .plan import SlotPlan
@@ -53,38 +53,16 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
     Args:
         max_frames: frames to allocate per tag up front (the rollout's latent frame count); ``None`` sizes the
             buffers from the first call and grows them by doubling when needed.
-        window_frames: sliding attention window in latent frames (see :class:`BaseKVCacheEngine`); the buffers then
-            never exceed ``window_frames`` frames.
-        sink_frames: first frames kept for ever inside the window.
-        rope_positions, sink_update, sink_decay: window-relative RoPE and the EMA sink (see
-            :class:`BaseKVCacheEngine`).
-        kv_cache_dtype: ``None`` or 8-bit storage (``torch.float8_e4m3fn``, ``torch.int8``): quantized buffers, and
-            every call takes the gathering path (no in-place fast path; see the module docstring).
+        engine_options: the options of :class:`BaseKVCacheEngine` (window, sink, key positions, sink rule, storage
+            dtype); the buffers never exceed the window's ``window_frames`` frames, and an 8-bit ``kv_cache_dtype``
+            quantizes them, every call then taking the gathering path (no in-place fast path; see the module
+            docstring).
     """
 
     storage_class = SlotStorage
 
-    def __init__(
-        self,
-        max_frames: int | None = None,
-        *,
-        window_frames: int | None = None,
-        sink_frames: int = 0,
-        # window-relative RoPE and EMA sink (Reward Forcing)
-        rope_positions: str = "absolute",
-        sink_update: str = "fixed",
-        sink_decay: float = 0.999,
-        # 8-bit KV cache
-        kv_cache_dtype: torch.dtype | str | None = None,
-    ) -> None:
-        super().__init__(
-            window_frames=window_frames,
-            sink_frames=sink_frames,
-            rope_positions=rope_positions,
-            sink_update=sink_update,
-            sink_decay=sink_decay,
-            kv_cache_dtype=kv_cache_dtype,
-        )
+    def __init__(self, max_frames: int | None = None, **engine_options: Any) -> None:
+        super().__init__(**engine_options)
         if max_frames is not None and (isinstance(max_frames, bool) or not isinstance(max_frames, int)):
             raise ValueError(f"`max_frames` must be None or a positive int, got {max_frames!r}.")
         if max_frames is not None and max_frames < 1:

@@ -51,14 +51,25 @@ class TagState:
 
     def forget_evicted_chunks(self, sink_frames: int) -> None:
         """Drop the starts of the chunks a window has evicted whole, so that a long windowed stream keeps
-        O(window) of them: no call or truncation can start there any more. Kept: the sink's chunks, the first start
-        after the sink (where a recache truncates), and the chunks from the one holding ``evicted_before`` on."""
+        O(window) of them: no call can start there any more, and a truncation there cuts no held chunk
+        (:meth:`truncatable`). Kept: the sink's chunks, the first start after the sink (where a recache truncates),
+        and the chunks from the one holding ``evicted_before`` on."""
         if self.evicted_before <= sink_frames:
             return
         starts = self.chunk_starts
         after_sink = next((s for s in starts if s >= sink_frames), None)
         held_from = max((s for s in starts if s <= self.evicted_before), default=0)
         self.chunk_starts = [s for s in starts if s < sink_frames or s == after_sink or s >= held_from]
+
+    def truncatable(self, end_frame: int, sink_frames: int) -> bool:
+        """Whether a truncation at ``end_frame`` leaves no held frame whose K/V saw a dropped frame: at a stored chunk
+        start, or from the first chunk after the sink's up to ``evicted_before``, where every frame before it but the
+        sink's is evicted (a window forgets the chunk starts there, :meth:`forget_evicted_chunks`, yet a rewind may
+        go back to them: the tag then holds the sink only)."""
+        if end_frame in self.chunk_starts:
+            return True
+        after_sink = next((s for s in self.chunk_starts if s >= sink_frames), None)
+        return after_sink is not None and after_sink <= end_frame <= self.evicted_before
 
 
 class TagTable:
@@ -156,16 +167,17 @@ class TagTable:
                     f"{name}={given}{hint}. Call `clear_caches()` (or use another cache_tag) before changing it."
                 )
 
-    def check_truncate(self, cache_tag: str, end_frame: int) -> bool:
-        """Whether truncating ``cache_tag`` at ``end_frame`` drops anything; ``ValueError`` when ``end_frame`` is not
-        a stored chunk boundary."""
+    def check_truncate(self, cache_tag: str, end_frame: int, sink_frames: int = 0) -> bool:
+        """Whether truncating ``cache_tag`` at ``end_frame`` drops anything; ``ValueError`` (before any change) when
+        the truncation would cut a held chunk (:meth:`TagState.truncatable`; ``sink_frames``: the pinned frames)."""
         state = self._states.get(cache_tag)
         if state is None or end_frame >= state.num_frames:
             return False
-        if end_frame not in state.chunk_starts:
+        if not state.truncatable(end_frame, sink_frames):
+            evicted = f" or frames past the sink up to the evicted {state.evicted_before}" * (state.evicted_before > 0)
             raise ValueError(
                 f"Cannot truncate cache_tag {cache_tag!r} at frame {end_frame}: stored chunks start at "
-                f"{state.chunk_starts}."
+                f"{state.chunk_starts}; truncate at one of them{evicted}."
             )
         return True
 

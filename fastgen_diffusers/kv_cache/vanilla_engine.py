@@ -18,14 +18,8 @@ VanillaSelfEntry = ChunkListStorage  # the storage of one block and tag (its for
 class VanillaKVCacheEngine(BaseKVCacheEngine):
     """List-of-runs self cache and dense cross cache (exported as ``KVCacheEngine``).
 
-    Args:
-        window_frames: sliding attention window in latent frames (see :class:`BaseKVCacheEngine`); ``None`` keeps
-            every frame.
-        sink_frames: first frames kept for ever inside the window.
-        rope_positions, sink_update, sink_decay: window-relative RoPE and the EMA sink (see
-            :class:`BaseKVCacheEngine`; keyword-only).
-        kv_cache_dtype: ``None`` or 8-bit storage (``torch.float8_e4m3fn``, ``torch.int8``): each stored run is
-            quantized once and dequantized at every read (see :class:`BaseKVCacheEngine`).
+    Args: the options of :class:`BaseKVCacheEngine` (window, sink, key positions, sink rule, storage dtype); an 8-bit
+    ``kv_cache_dtype`` quantizes each stored run once and dequantizes it at every read.
     """
 
     storage_class = ChunkListStorage

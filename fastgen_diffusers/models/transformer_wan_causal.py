@@ -83,6 +83,10 @@ class ForwardCall:
     conditioning: tuple
 
 
+# The config fields a causal model adds to its Wan base (no parameters).
+CAUSAL_CONFIG_KEYS = ("chunk_size", "independent_first_frame")
+
+
 class CausalWanMixin:
     """The causal machinery shared by the causal Wan models (T2V/I2V and VACE); adds no parameters.
 
@@ -91,6 +95,12 @@ class CausalWanMixin:
     loop of one call); :meth:`_causal_forward` does the rest of a forward: validation, per-frame timestep embedding,
     RoPE at ``start_frame``, the :class:`CausalContext`, committing or undoing the cache writes and the output head.
     """
+
+    @staticmethod
+    def _wan_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """A causal ``__init__``'s arguments (its ``locals()`` on entry) as its Wan base's ``__init__`` takes them: all
+        but the causal config fields (:data:`CAUSAL_CONFIG_KEYS`)."""
+        return {k: v for k, v in arguments.items() if k not in ("self", "__class__", *CAUSAL_CONFIG_KEYS)}
 
     def _init_causal(
         self, chunk_size: int, patch_size: tuple[int, ...], attention_head_dim: int, rope_max_seq_len: int
@@ -826,24 +836,7 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
         chunk_size: int = 3,
         independent_first_frame: bool = False,
     ) -> None:
-        super().__init__(
-            patch_size=patch_size,
-            num_attention_heads=num_attention_heads,
-            attention_head_dim=attention_head_dim,
-            in_channels=in_channels,
-            out_channels=out_channels,
-            text_dim=text_dim,
-            freq_dim=freq_dim,
-            ffn_dim=ffn_dim,
-            num_layers=num_layers,
-            cross_attn_norm=cross_attn_norm,
-            qk_norm=qk_norm,
-            eps=eps,
-            image_dim=image_dim,
-            added_kv_proj_dim=added_kv_proj_dim,
-            rope_max_seq_len=rope_max_seq_len,
-            pos_embed_seq_len=pos_embed_seq_len,
-        )
+        super().__init__(**self._wan_arguments(locals()))
         self._init_causal(chunk_size, patch_size, attention_head_dim, rope_max_seq_len)
 
     def kv_cache_branches(self) -> dict[str, nn.ModuleList]:

@@ -120,26 +120,7 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
         chunk_size: int = 3,
         independent_first_frame: bool = False,
     ) -> None:
-        super().__init__(
-            patch_size=patch_size,
-            num_attention_heads=num_attention_heads,
-            attention_head_dim=attention_head_dim,
-            in_channels=in_channels,
-            out_channels=out_channels,
-            text_dim=text_dim,
-            freq_dim=freq_dim,
-            ffn_dim=ffn_dim,
-            num_layers=num_layers,
-            cross_attn_norm=cross_attn_norm,
-            qk_norm=qk_norm,
-            eps=eps,
-            image_dim=image_dim,
-            added_kv_proj_dim=added_kv_proj_dim,
-            rope_max_seq_len=rope_max_seq_len,
-            pos_embed_seq_len=pos_embed_seq_len,
-            vace_layers=vace_layers,
-            vace_in_channels=vace_in_channels,
-        )
+        super().__init__(**self._wan_arguments(locals()))
         if len(set(vace_layers)) != len(vace_layers):
             raise ValueError(f"`vace_layers` must not repeat a layer, got {list(vace_layers)}.")
         for block in self.vace_blocks:

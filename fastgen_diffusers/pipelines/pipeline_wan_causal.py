@@ -32,10 +32,12 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 
 from ..hub import HubPipelineMixin
 from ..models import AutoencoderTinyWan, WanCausalTransformer3DModel
-from ..settings import RolloutSettings
+from ..models.transformer_wan_causal import CAUSAL_CONFIG_KEYS
+from ..settings import CONFIG_KEYS, RolloutSettings
+from .rollout.call_docs import shared_call_docs, stored_settings_docs
 from .rollout.core import OUTPUT_TYPES, RolloutShape
 from .rollout.live import LiveRolloutMixin
-from .rollout.options import RolloutOptions, call_options
+from .rollout.options import RolloutOptions
 
 logger = logging.get_logger(__name__)  # pylint: disable=invalid-name
 # The "Loaded <component> as <class> ..." lines of the components loaded here go where diffusers logs its own.
@@ -43,7 +45,6 @@ loading_logger = logging.get_logger(DiffusionPipeline.__module__)
 
 CAUSAL_SHIFT = 5.0
 HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision")
-CAUSAL_CONFIG_KEYS = ("chunk_size", "independent_first_frame")
 
 EXAMPLE_DOC_STRING = """
     Examples:
@@ -110,6 +111,7 @@ def causal_scheduler_from_config(config: dict[str, Any]) -> FlowMatchEulerDiscre
     )
 
 
+@stored_settings_docs
 class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin, LiveRolloutMixin):
     r"""
     Text-to-video generation with a causal Wan student (Self-Forcing, CausVid, ...): the video is generated chunk by
@@ -134,32 +136,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             The causal transformer. A plain `WanTransformer3DModel` is converted (weights shared) by
             [`~WanCausalPipeline.from_pretrained`] and [`~WanCausalPipeline.from_pipe`]. `None` (with `vae` and
             `scheduler` `None` too, as diffusers allows) builds a pipeline that serves `encode_prompt` alone.
-        timesteps (`list[float]`, *optional*):
-            Stored default timesteps of every chunk (a converted student's), used when a call names no schedule.
-        context_noise (`float`, defaults to `0.0`):
-            Stored default timestep of the cache pass.
-        first_chunk_timesteps (`list[float]`, *optional*):
-            Stored default timesteps of the first chunk (Causal Forcing++); later chunks use `timesteps`.
-        attention_window (`int`, *optional*):
-            Stored default sliding attention window in latent frames (the one the student was trained with).
-        sink_frames (`int`, defaults to `0`):
-            Stored default sink frames of the window.
-        kv_cache_policy (`str`, *optional*):
-            Stored default KV cache policy (`"sequential"`, `"recompute"`, Krea's, or `"rolling"`, Rolling Forcing's;
-            a stored `"rolling"` serves text-to-video calls only); `None` stores none.
-        context_frames (`int`, *optional*):
-            Stored default clean frames the recompute policy re-encodes before each chunk.
-        kv_cache_attention_bias (`float`, *optional*):
-            Stored default attention weight on cached frames under the recompute policy (Krea: 0.3).
-        rope_positions (`str`, defaults to `"absolute"`):
-            Stored default temporal RoPE positions of the cached keys (`"window"`: Reward Forcing's).
-        sink_update (`str`, defaults to `"fixed"`):
-            Stored default sink update (`"ema"`: Reward Forcing's).
-        sink_decay (`float`, defaults to `0.999`):
-            Stored default decay of the EMA sink.
-        keep_first_frame (`bool`, defaults to `False`):
-            Stored default anchor of the recompute policy (`True`: the first latent frame for ever; `False`: Krea's
-            re-encoded anchor).
+        {shared_args}
         decoder ([`AutoencoderTinyWan`], *optional*):
             A decode-only tiny decoder (TAEHV, e.g. `AutoencoderTinyWan.from_single_file("taew2_1.pth")`) for the
             frames of `stream()`: fast previews, while `__call__` still decodes with `vae`. To decode (and encode)
@@ -197,6 +174,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         keep_first_frame: bool = False,
         decoder: AutoencoderTinyWan | None = None,
     ):
+        arguments = locals()
         super().__init__()
         if transformer is not None and not isinstance(transformer, self._transformer_class):
             raise ValueError(
@@ -219,20 +197,10 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             decoder=decoder,
         )
         # The student's sampling settings (written by `fastgen-diffusers convert`): used when a call names none.
-        self.register_to_config(
-            timesteps=None if timesteps is None else list(timesteps),
-            context_noise=context_noise,
-            first_chunk_timesteps=None if first_chunk_timesteps is None else list(first_chunk_timesteps),
-            attention_window=attention_window,
-            sink_frames=sink_frames,
-            kv_cache_policy=kv_cache_policy,
-            context_frames=context_frames,
-            kv_cache_attention_bias=kv_cache_attention_bias,
-            rope_positions=rope_positions,
-            sink_update=sink_update,
-            sink_decay=sink_decay,
-            keep_first_frame=keep_first_frame,
-        )
+        stored = {key: arguments[key] for key in CONFIG_KEYS}
+        for key in ("timesteps", "first_chunk_timesteps"):
+            stored[key] = None if stored[key] is None else list(stored[key])
+        self.register_to_config(**stored)
         self.check_stored_settings()
         self._init_rollout_state()
         self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal if getattr(self, "vae", None) else 4
@@ -420,6 +388,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     @replace_example_docstring(EXAMPLE_DOC_STRING)
+    @shared_call_docs
     def __call__(
         self,
         prompt: str | list[str] | dict[int, str | list[str]] | None = None,
@@ -475,161 +444,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
         The call function to the pipeline for generation.
 
         Args:
-            prompt (`str`, `list[str]` or `dict`, *optional*):
-                The prompt or prompts to guide the video generation. If not defined, pass `prompt_embeds` instead. A
-                dict `{pixel_frame: prompt}` (keys include 0, e.g. `{0: "a cat", 48: "a dog"}`) switches prompts
-                mid-video: each prompt takes effect at the first chunk starting at or after its frame (latent frame
-                `s >= 1` starts at pixel frame `4s - 3`; 81 frames in chunks of 3 start at 0, 9, 21, 33, ...). The
-                chunks before a switch are unchanged by it.
-            negative_prompt (`str` or `list[str]`, *optional*):
-                The prompt or prompts to avoid, used only when `guidance_scale > 1` (defaults to `""` then).
-            height (`int`, defaults to `480`):
-                Height in pixels of the generated video, a multiple of 16.
-            width (`int`, defaults to `832`):
-                Width in pixels of the generated video, a multiple of 16.
-            num_frames (`int`, defaults to `81`):
-                Number of pixel frames, of the form 4k+1 (81 frames are 21 latent frames: 7 chunks of 3).
-            num_inference_steps (`int`, *optional*):
-                Denoising steps per chunk; without it (and without `timesteps`/`sigmas`) the pipeline's stored
-                `timesteps` (a converted student's) are used, else 4. The schedule of N steps is the sigmas
-                `[1, (N-1)/N, ..., 1/N]` shifted by the scheduler's shift: timesteps 1000, 937.5, 833.3, 625 for 4
-                steps at shift 5 (Self-Forcing's).
-            timesteps (`list[float]`, *optional*):
-                Model-scale timesteps in [0, 1000], strictly decreasing, used as given (e.g. `[1000, 937.5, 833.3,
-                625]`); overrides `num_inference_steps`.
-            sigmas (`list[float]`, *optional*):
-                Sigmas in [0, 1], strictly decreasing, shifted by the scheduler; overrides `num_inference_steps`.
-            first_chunk_timesteps (`list[float]`, *optional*):
-                Model-scale timesteps of the first chunk only (Causal Forcing++); later chunks use the schedule
-                above. Defaults to the pipeline's stored `first_chunk_timesteps` when the call names no schedule.
-            guidance_scale (`float`, defaults to `1.0`):
-                Classifier-free guidance weight. Students are distilled with guidance baked in, so 1.0 (no CFG, one
-                forward per step) is the default; above 1 the unconditional branch runs with its own KV cache.
-            chunk_size (`int`, *optional*):
-                Latent frames per chunk; defaults to the transformer's `chunk_size` (the one it was trained with).
-            context_noise (`float`, *optional*):
-                Defaults to the pipeline's stored `context_noise` (0 unless a converted student says otherwise).
-                Timestep of the pass that writes each finished chunk into the KV cache; above 0 the clean chunk is
-                re-noised to it first.
-            generator (`torch.Generator` or `list[torch.Generator]`, *optional*):
-                RNG(s) for the initial noise, the scheduler's re-noising and the context noise.
-            latents (`torch.Tensor`, *optional*):
-                Initial noise `(B, 16, (num_frames - 1) // 4 + 1, height // 8, width // 8)`; chunk `[s, e)` starts
-                from `latents[:, :, s:e]`.
-            prompt_embeds (`torch.Tensor` or `dict`, *optional*):
-                Pre-generated text embeddings `(B, L, text_dim)`, or a dict `{pixel_frame: embeddings}` like `prompt`.
-            negative_prompt_embeds (`torch.Tensor`, *optional*):
-                Pre-generated negative text embeddings `(B, L, text_dim)`.
-            output_type (`str`, *optional*, defaults to `"np"`):
-                `"np"` (`(B, F, H, W, 3)` floats in [0, 1]), `"pil"`, `"pt"` (`(B, F, 3, H, W)`) or `"latent"`.
-            return_dict (`bool`, *optional*, defaults to `True`):
-                Whether to return a [`~pipelines.wan.pipeline_output.WanPipelineOutput`] instead of a tuple.
-            attention_kwargs (`dict`, *optional*):
-                Passed to the transformer; `scale` sets the LoRA scale.
-            callback_on_step_end (`Callable`, `PipelineCallback`, `MultiPipelineCallbacks`, *optional*):
-                Called after every denoising step of every chunk as `callback_on_step_end(self, step, timestep,
-                callback_kwargs)`. Per chunk, unlike diffusers' one-sequence pipelines: `callback_kwargs["latents"]`
-                is the chunk being denoised, `(B, C, F_chunk, H, W)`, not the whole video, and latents it returns
-                replace that chunk's only; `timestep` is the chunk's current step; `step` counts over chunks x steps,
-                so `self.num_timesteps` is the steps of all chunks (it grows chunk by chunk for an open-ended
-                stream). Under `kv_cache_policy="rolling"` it runs once per window forward instead. Set
-                `pipe._interrupt = True` in it to stop the rollout (the unfinished chunk is dropped).
-            callback_on_step_end_tensor_inputs (`list`, *optional*):
-                Tensors given to `callback_on_step_end`, from `["latents", "prompt_embeds",
-                "negative_prompt_embeds"]`.
-            max_sequence_length (`int`, defaults to `512`):
-                Text tokens of the prompt encoding (padded or truncated to it).
-            keep_cache (`bool`, defaults to `False`):
-                Keep the KV caches and the chunks after the call as the kept rollout `"main"`, to go on with
-                [`~LiveRolloutMixin.continue_rollout`], [`~LiveRolloutMixin.redo_last_chunk`] or
-                [`~LiveRolloutMixin.fork_rollout`]; by default they are freed.
-            recache (`bool`, defaults to `False`):
-                At each prompt switch, recompute the self K/V of the chunks before it under the new prompt
-                (LongLive's recache) instead of only switching the cross-attention. Costs one transformer forward per
-                earlier chunk at every switch (a 4-step chunk costs 4 forwards plus its cache pass).
-            attention_window (`int`, *optional*):
-                Sliding attention window in latent frames (Self-Forcing's `local_attn_size`): a chunk attends to at
-                most this many frames, its own and the sink included, so memory and time per chunk stay flat.
-                Defaults to the pipeline's stored `attention_window` (none unless a converted student has one).
-                Under `kv_cache_policy="rolling"`: the frames one forward attends to (21 by default).
-            sink_frames (`int`, *optional*):
-                First latent frames that stay inside the window for ever (Self-Forcing's `sink_size`); defaults to
-                the pipeline's stored `sink_frames` (0).
-            kv_cache_engine (`str`, *optional*, defaults to `"static"`):
-                `"static"` (buffers allocated once, written in place), `"vanilla"` (a list of chunk tensors) or `None`
-                to keep the engines set on the transformer (`transformer.set_kv_cache_engines`).
-            num_videos_per_prompt (`int`, defaults to `1`):
-                Videos per prompt, as in diffusers: the prompts (and their embeddings) are repeated, so `latents` and a
-                list of `generator`s cover `batch * num_videos_per_prompt` videos.
-            kv_cache_policy (`str`, *optional*):
-                `"sequential"` (default: each chunk is written into the cache after it is denoised) or `"recompute"`
-                (Krea Realtime: before each chunk after the first the cache is cleared and rebuilt by one cache pass
-                over `context_frames` clean frames, an anchor frame plus the last `context_frames - 1`, at
-                RoPE positions from 0; the chunk then denoises right after them, so memory and positions stay
-                bounded). Not combinable with `attention_window` or `recache`; `keep_cache=True` keeps it for
-                `continue_rollout` / `redo_last_chunk` / `fork_rollout`. Or `"rolling"` (Rolling
-                Forcing, text-to-video): one forward denoises a window of as many chunks as denoising steps at
-                staggered noise levels (the oldest at the lowest), then writes the window's first chunk into the cache
-                at timestep 0; a chunk is finished when it leaves the window. Each forward attends to at most
-                `attention_window` latent frames (21), the first chunk (the anchor) included, re-positioned right
-                before the oldest cached frame it sees. Needs at least as many chunks as steps; not combinable with
-                `sink_frames`, `context_noise`, `first_chunk_timesteps`, prompt schedules, `keep_cache` or `recache`.
-                Defaults to the pipeline's stored `kv_cache_policy`, if any.
-            context_frames (`int`, *optional*):
-                Latent frames of the recompute context (>= 1; Krea's `kv_cache_num_frames`, 3); needed by and only
-                allowed with `kv_cache_policy="recompute"`.
-            kv_cache_attention_bias (`float`, *optional*):
-                Krea's / scope's attention bias in [0.01, 1]: the denoising forwards add `log(bias)` to the logits of
-                the cached keys except the video's first (anchor) frame, under any policy and window (recompute is
-                Krea's; with `attention_window` the anchor is spared while it is in the window, i.e. with
-                `sink_frames >= 1`); 1 (default) adds no mask at all.
-            rope_positions (`str`, *optional*):
-                Temporal RoPE positions of the cached keys: `"absolute"` (each frame at its own position; keys cached
-                after RoPE) or `"window"` (Reward Forcing: keys cached before RoPE and rotated by their slot in
-                `[sink | recent frames | chunk]`, so positions stay below `attention_window` and a stream never
-                leaves the RoPE table; needs `attention_window`). Defaults to the pipeline's stored `rope_positions`
-                (`"absolute"`).
-            sink_update (`str`, *optional*):
-                `"fixed"` (the sink keeps its first K/V) or `"ema"` (Reward Forcing: when frames leave the window,
-                `sink = sink_decay * sink + (1 - sink_decay) * evicted`, per block, K and V; needs `sink_frames`,
-                `rope_positions="window"` and chunks of `sink_frames` frames). Defaults to the stored one (`"fixed"`).
-            sink_decay (`float`, *optional*):
-                The EMA's decay in (0, 1); defaults to the stored one (0.999, Reward Forcing's).
-            kv_cache_dtype (`torch.dtype` or `str`, *optional*):
-                8-bit KV cache (off by default): `torch.float8_e4m3fn` or `torch.int8` (or `"float8_e4m3fn"` /
-                `"int8"`) stores the self-attention K/V of finished chunks in 1 byte per element with one float32 scale
-                per sample, frame and head, dequantized on read (about 4x less cache memory than float32, 2x less than
-                bfloat16; a small output error, see the README). Needs a `kv_cache_engine`.
-            keep_first_frame (`bool`, *optional*):
-                Recompute only (Krea's `keep_first_frame`): keep the video's first latent frame as the context's
-                anchor for ever. Otherwise, once `frames_done - chunk_frames >= context_frames`, the anchor is the
-                VAE re-encoding of the first of the last `1 + (context_frames - 1) * 4` decoded frames (Krea's and
-                scope's rule); the chunks are then decoded as they finish (once: the output reuses those frames).
-                Defaults to the pipeline's stored `keep_first_frame` under its stored recompute policy, else `False`.
-            prompt_transition_chunks (`int`, defaults to `0`):
-                Blend each prompt switch of a prompt schedule in linearly over this many chunks (Krea's prompt
-                interpolation): chunk `k = 0 .. N-1` from the switch is conditioned on `lerp(old, new, (k+1)/N)`,
-                `old` being the prompt in use at the switch (a blend, if a transition was under way). 0 and 1 switch
-                at once. Works under both policies; with `recache=True` every blended chunk recaches. Switches must
-                have the first prompt's embedding shape.
-            recache_sink (`str`, defaults to `"rerun"`):
-                What `recache=True` does with the sink: `"rerun"` re-runs the sink's chunks under the new prompt too;
-                `"keep"` is LongLive's `global_sink: true`: the sink keeps its K/V from the old prompt and the window's
-                other frames are re-run in one forward. `"keep"` needs `recache=True`, `attention_window` and
-                `sink_frames`, both `sink_frames` and `attention_window - sink_frames` multiples of the chunk size.
-            kv_flush (`bool`, defaults to `False`):
-                Infinity-RoPE's KV flush: at each prompt switch keep only the sink and the last 2 generated latent
-                frames in the self-attention cache, so the new prompt takes effect at once with no extra forward.
-                Needs `attention_window` and a fixed sink; not with `recache`, a `kv_cache_policy` other than
-                `"sequential"` or `prompt_transition_chunks` above 1.
-            rope_cut (`bool` or `list[int]`, defaults to `False`):
-                Infinity-RoPE's scene cut: the first chunk after a cut switch (`True`: every switch; or the pixel
-                frames of the switches that cut) runs at temporal RoPE positions 45, 46, ... (a jump away from the
-                cached frames); the chunks after it are positioned as usual. Needs `rope_positions="window"`.
-            settings ([`~fastgen_diffusers.settings.RolloutSettings`], *optional*):
-                The call's settings as one value (sampling, cache, policy, prompt schedule); the flat arguments above
-                override it where they differ from their defaults, and the pipeline's stored settings fill what
-                neither sets.
+            {shared_args}
 
         Examples:
 
@@ -638,4 +453,4 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
             `(frames,)` when `return_dict` is `False`. An interrupted rollout returns the finished chunks; the
             latent frames of unfinished chunks are left at their initial noise.
         """
-        return self.generate(call_options(RolloutOptions, locals()))
+        return self.generate_call(locals())

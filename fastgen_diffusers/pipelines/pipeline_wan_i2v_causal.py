@@ -47,9 +47,10 @@ from ..chunking import check_given_frames
 from ..models import AutoencoderTinyWan, WanCausalTransformer3DModel
 from ..settings import RolloutSettings
 from .pipeline_wan_causal import WanCausalPipeline
+from .rollout.call_docs import shared_call_docs
 from .rollout.conditioning import Conditioner, FirstFrameConditioner, GivenFramesConditioner, ImageConcatConditioner
 from .rollout.core import RolloutShape
-from .rollout.options import ImageToVideoOptions, call_options
+from .rollout.options import ImageToVideoOptions
 from .video_io.clips import clip_frames, clip_layout
 from .video_io.streaming_decode import latent_statistics
 
@@ -393,6 +394,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     @replace_example_docstring(EXAMPLE_DOC_STRING)
+    @shared_call_docs
     def __call__(
         self,
         image: ImageInput | None = None,
@@ -458,8 +460,6 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 The prompt or prompts to guide the video generation. If not defined, pass `prompt_embeds` instead. A
                 dict `{pixel_frame: prompt}` (keys include 0) switches prompts at chunk boundaries, as in
                 [`WanCausalPipeline`].
-            negative_prompt (`str` or `list[str]`, *optional*):
-                The prompt or prompts to avoid, used only when `guidance_scale > 1`.
             video (`list[PIL.Image.Image]`, `torch.Tensor` or `np.ndarray`, *optional*):
                 T2V students only: a clip of 4k+1 frames to extend (`(F, 3, H, W)` tensor in [0, 1] or `(F, H, W,
                 3)` array); its latents must fill whole chunks (e.g. 9 frames = 3 latent frames for 3-frame chunks).
@@ -470,84 +470,27 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
                 Width in pixels, as `height`.
             num_frames (`int`, defaults to `81`):
                 Number of pixel frames of the output, of the form 4k+1, counting the given image or clip.
-            num_inference_steps (`int`, *optional*):
-                Denoising steps per generated chunk; without it (and without `timesteps`/`sigmas`) the pipeline's
-                stored `timesteps` are used, else 4 (timesteps 1000, 937.5, 833.3, 625 at shift 5).
-            timesteps (`list[float]`, *optional*):
-                Model-scale timesteps in [0, 1000], strictly decreasing, used as given.
-            sigmas (`list[float]`, *optional*):
-                Sigmas in [0, 1], strictly decreasing, shifted by the scheduler.
-            first_chunk_timesteps (`list[float]`, *optional*):
-                Timesteps of the first chunk only (Causal Forcing++), as in [`WanCausalPipeline`].
-            guidance_scale (`float`, defaults to `1.0`):
-                Classifier-free guidance weight; above 1 the unconditional branch (same image conditioning, negative
-                prompt) runs with its own KV cache.
-            chunk_size (`int`, *optional*):
-                Latent frames per chunk; defaults to the transformer's `chunk_size`.
             context_noise (`float`, *optional*):
                 Timestep of the pass that writes each generated chunk into the KV cache (given chunks are written
                 clean, at 0); defaults to the pipeline's stored `context_noise` (0 unless a converted student says
                 otherwise).
-            generator (`torch.Generator` or `list[torch.Generator]`, *optional*):
-                RNG(s) for the initial noise, the scheduler's re-noising and the context noise.
             latents (`torch.Tensor`, *optional*):
                 Initial noise `(B, z_dim, (num_frames - 1) // 4 + 1, height / s, width / s)` of the whole video
                 (the frames of given chunks are not used).
             prompt_embeds (`torch.Tensor`, *optional*):
                 Pre-generated text embeddings `(B, L, text_dim)`.
-            negative_prompt_embeds (`torch.Tensor`, *optional*):
-                Pre-generated negative text embeddings `(B, L, text_dim)`.
             image_embeds (`torch.Tensor`, *optional*):
                 Wan2.1 I2V with `image_dim` only: pre-computed CLIP tokens `(B, L_img, image_dim)` (penultimate
                 hidden states); the image is then used for the VAE condition only.
-            output_type (`str`, *optional*, defaults to `"np"`):
-                `"np"`, `"pil"`, `"pt"` or `"latent"`.
-            return_dict (`bool`, *optional*, defaults to `True`):
-                Whether to return a [`~pipelines.wan.pipeline_output.WanPipelineOutput`] instead of a tuple.
-            attention_kwargs (`dict`, *optional*):
-                Passed to the transformer; `scale` sets the LoRA scale.
-            callback_on_step_end (`Callable`, `PipelineCallback`, `MultiPipelineCallbacks`, *optional*):
-                Called after every denoising step of every generated chunk, as in [`WanCausalPipeline`].
-            callback_on_step_end_tensor_inputs (`list`, *optional*):
-                Tensors given to `callback_on_step_end`, from `["latents", "prompt_embeds",
-                "negative_prompt_embeds"]`.
-            max_sequence_length (`int`, defaults to `512`):
-                Text tokens of the prompt encoding.
             keep_cache (`bool`, defaults to `False`):
                 Keep the rollout (KV caches, chunks, image conditioning) after the call, to go on with
                 `continue_rollout`, `redo_last_chunk` or `fork_rollout`; by default it is freed.
-            recache (`bool`, defaults to `False`):
-                With a prompt schedule (`prompt={0: "...", 45: "..."}`, as in [`WanCausalPipeline`]), recompute the
-                self K/V of the earlier chunks under each new prompt (LongLive's recache).
-            attention_window (`int`, *optional*):
-                Sliding attention window in latent frames (own frames and sink included); see [`WanCausalPipeline`].
-            sink_frames (`int`, *optional*):
-                First latent frames that stay inside the window for ever (default: the stored `sink_frames`).
-            kv_cache_engine (`str`, *optional*, defaults to `"static"`):
-                `"static"`, `"vanilla"` or `None` (keep the transformer's engines).
-            num_videos_per_prompt (`int`, defaults to `1`):
-                Videos per prompt, as in diffusers: the prompts (and their embeddings) are repeated, so `latents` and a
-                list of `generator`s cover `batch * num_videos_per_prompt` videos.
-            rope_positions, sink_update, sink_decay:
-                Window-relative RoPE and the EMA sink, as in [`WanCausalPipeline.__call__`].
-            kv_cache_dtype (`torch.dtype` or `str`, *optional*):
-                8-bit KV cache (`torch.float8_e4m3fn` or `torch.int8`), as in [`WanCausalPipeline.__call__`].
             kv_cache_policy (`str`, *optional*), context_frames (`int`, *optional*), \
             keep_first_frame (`bool`, *optional*):
                 Only `"sequential"` (or `None`): this pipeline conditions its chunks by frame, which the recompute
                 and rolling policies do not follow (refused before any work; a stored policy of theirs is left
                 out, with its settings).
-            kv_cache_attention_bias (`float`, *optional*), prompt_transition_chunks (`int`, defaults to `0`):
-                The attention bias on cached frames and blended prompt switches, as in [`WanCausalPipeline.__call__`].
-            recache_sink (`str`, defaults to `"rerun"`), kv_flush (`bool`, defaults to `False`), \
-            rope_cut (`bool` or `list[int]`, defaults to `False`):
-                What each prompt switch does to the caches, as in [`WanCausalPipeline.__call__`]: LongLive's kept
-                sink at a recache (`recache_sink="keep"`), Infinity-RoPE's KV flush and its scene cuts (a RoPE jump at
-                the switches `rope_cut` names).
-            settings ([`~fastgen_diffusers.settings.RolloutSettings`], *optional*):
-                The call's settings as one value (sampling, cache, policy, prompt schedule); the flat arguments above
-                override it where they differ from their defaults, and the pipeline's stored settings fill what
-                neither sets.
+            {shared_args}
 
         Examples:
 
@@ -555,4 +498,4 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`: the frames (`frames`), the given image
             or clip first (as the VAE reconstructs it), or `(frames,)` when `return_dict` is `False`.
         """
-        return self.generate(call_options(ImageToVideoOptions, locals()))
+        return self.generate_call(locals())

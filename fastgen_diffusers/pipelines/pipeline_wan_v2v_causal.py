@@ -35,13 +35,13 @@ from ..chunking import chunk_bounds
 from ..settings import RolloutSettings
 from .pipeline_wan_causal import WanCausalPipeline
 from .rollout.arguments import require_transformer
+from .rollout.call_docs import shared_call_docs
 from .rollout.conditioning import Conditioner
 from .rollout.core import RolloutRun, RolloutShape
 from .rollout.guard import exclusive_rollout
-from .rollout.options import RolloutOptions, call_options
+from .rollout.options import RolloutOptions
 from .rollout.policy_v2v import RecomputeVideoToVideoPolicy, VideoChunkPlan, VideoToVideoPolicy
 from .rollout.prompts import check_transition_embeds
-from .rollout.session import history_to_keep
 from .rollout.strength import StrengthInput, StrengthSchedule
 from .rollout.validation import validate_call_arguments
 from .rollout.video_latents import VideoToVideoSource
@@ -225,19 +225,10 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
 
         # 4. Fresh KV-cache engines (sized for a list; a static engine grows for a live video) and the session
         self.configure_rollout_cache(options, bounds, open_ended=not known)
-        session = self.open_session(
-            Conditioner(),
-            prompt_embeds,
-            negative_prompt_embeds,
-            guidance_scale=options.guidance_scale,
-            context_noise=options.context_noise,
-            schedule=schedule,
-            first_schedule=first_schedule,
-            attention_kwargs=options.attention_kwargs,
-            keep_history=history_to_keep(False, options.recache),  # a live switch may come (`run.switch_prompt`)
-            prompt_transition_chunks=options.prompt_transition_chunks,
-            kv_cache_attention_bias=options.kv_cache_attention_bias,
-            switch_rule=self.prompt_switch_rule(options, bounds),
+        # keep_cache is refused above: the session keeps what a live switch's recache needs (`run.switch_prompt`)
+        switch_rule = self.prompt_switch_rule(options, bounds)
+        session = self.open_call_session(
+            options, Conditioner(), prompt_embeds, negative_prompt_embeds, schedule, first_schedule, switch_rule
         )
         return RolloutRun(self, session, plan, source, options, switches, 0, self.select_policy(options))
 
@@ -259,6 +250,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     @replace_example_docstring(EXAMPLE_DOC_STRING)
+    @shared_call_docs
     def __call__(
         self,
         prompt: str | list[str] | dict[int, str | list[str]] | None = None,
@@ -310,7 +302,9 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
         settings: RolloutSettings | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
-        The call function to the pipeline for video-to-video generation.
+        The call function to the pipeline for video-to-video generation. It takes the arguments of
+        [`WanCausalPipeline.__call__`] except `num_frames` (the video's length decides), `num_videos_per_prompt` and
+        `keep_cache` (a restyled input cannot be continued).
 
         Args:
             prompt (`str`, `list[str]` or `dict`, *optional*):
@@ -329,8 +323,6 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 text-to-video. A callable `chunk_index -> strength`, a schedule `{chunk_index: strength}` (each value
                 from its chunk on, chunk 0 included) or a [`MotionAwareStrength`] controller (lower strength when the
                 input moves fast) set it per chunk.
-            negative_prompt (`str` or `list[str]`, *optional*):
-                The prompt or prompts to avoid, used only when `guidance_scale > 1`.
             height (`int`, *optional*), width (`int`, *optional*):
                 The frame size every frame must have; defaults to the first frame's.
             latents (`torch.Tensor`, *optional*):
@@ -342,23 +334,7 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
                 Krea's recompute, as in [`WanCausalPipeline.__call__`] (what Krea's server runs on a webcam): each
                 input chunk, noised to its strength, denoises after a cache rebuilt over `context_frames` clean
                 frames of the output (the anchor re-encoded from the decoded output unless `keep_first_frame`).
-            prompt_transition_chunks (`int`, defaults to `0`):
-                Blend each switch of a prompt schedule in over this many chunks, as in [`WanCausalPipeline.__call__`].
-            Others:
-                As in [`WanCausalPipeline.__call__`], except `num_frames` (the video's length decides),
-                `num_videos_per_prompt` and `keep_cache` (a restyled input cannot be continued), which this pipeline
-                does not take.
-            rope_positions, sink_update, sink_decay:
-                Window-relative RoPE and the EMA sink, as in [`WanCausalPipeline.__call__`].
-            recache_sink (`str`, defaults to `"rerun"`), kv_flush (`bool`, defaults to `False`), \
-            rope_cut (`bool` or `list[int]`, defaults to `False`):
-                What each prompt switch does to the caches, as in [`WanCausalPipeline.__call__`]: LongLive's kept
-                sink at a recache (`recache_sink="keep"`), Infinity-RoPE's KV flush and its scene cuts (a RoPE jump at
-                the switches `rope_cut` names).
-            settings ([`~fastgen_diffusers.settings.RolloutSettings`], *optional*):
-                The call's settings as one value (sampling, cache, policy, prompt schedule); the flat arguments above
-                override it where they differ from their defaults, and the pipeline's stored settings fill what
-                neither sets.
+            {shared_args}
 
         Examples:
 
@@ -366,4 +342,4 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`: the restyled frames (`frames`, the
             frames of the complete chunks), or `(frames,)` when `return_dict` is `False`.
         """
-        return self.generate(call_options(VideoToVideoOptions, locals()))
+        return self.generate_call(locals())

@@ -16,9 +16,10 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 from ..models import AutoencoderTinyWan, VACEHintCache, WanCausalVACETransformer3DModel
 from ..settings import RolloutSettings
 from .pipeline_wan_causal import WanCausalPipeline, _model_config, _share_weights
+from .rollout.call_docs import shared_call_docs
 from .rollout.conditioning import VACEConditioner
 from .rollout.core import RolloutShape
-from .rollout.options import VACEOptions, call_options
+from .rollout.options import VACEOptions
 from .video_io.clips import clip_layout, first_frames
 
 REFERENCE_MODES = ("RGB", "L")
@@ -248,6 +249,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         return VACEConditioner(control, options.conditioning_scale, hint_cache, encode)
 
     @torch.no_grad()
+    @shared_call_docs
     def __call__(
         self,
         prompt: str | list[str] | dict[int, str | list[str]] | None = None,
@@ -308,7 +310,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
         r"""
         Generate a video steered by a control video, its mask and reference images.
 
-        Args (the others are [`WanCausalPipeline.__call__`]'s):
+        Args:
             video (list of PIL images, `(F, 3, H, W)` tensor or `(F, H, W, 3)` array in [0, 1], *optional*):
                 The control video at the output size, at least `num_frames` frames (later ones are ignored);
                 zeros when omitted, as in `WanVACEPipeline`.
@@ -325,31 +327,14 @@ class WanCausalVACEPipeline(WanCausalPipeline):
                 `allow_lossy=True`). Cache-filling passes always recompute them.
             allow_lossy (`bool`, defaults to `False`):
                 Required for `vace_hint_refresh_interval > 1`.
-            attention_window, sink_frames, kv_cache_engine:
-                The KV-cache engines of both branches ("main" and "vace"), as in [`WanCausalPipeline.__call__`].
-            num_videos_per_prompt (`int`, defaults to `1`):
-                Videos per prompt, as in [`WanCausalPipeline.__call__`]; the control inputs are shared.
-            rope_positions, sink_update, sink_decay:
-                Window-relative RoPE and the EMA sink, as in [`WanCausalPipeline.__call__`].
-            kv_cache_dtype (`torch.dtype` or `str`, *optional*):
-                8-bit KV cache of both branches (`torch.float8_e4m3fn` or `torch.int8`), as in
-                [`WanCausalPipeline.__call__`].
             kv_cache_policy (`str`, *optional*), context_frames (`int`, *optional*), \
             keep_first_frame (`bool`, *optional*):
                 Only `"sequential"` (or `None`): this pipeline conditions its chunks by frame, which the recompute
                 and rolling policies do not follow (refused before any work; a stored policy of theirs is left
                 out, with its settings).
-            kv_cache_attention_bias (`float`, *optional*), prompt_transition_chunks (`int`, defaults to `0`):
-                The attention bias on cached frames and blended prompt switches, as in [`WanCausalPipeline.__call__`].
-            recache_sink (`str`, defaults to `"rerun"`), kv_flush (`bool`, defaults to `False`), \
-            rope_cut (`bool` or `list[int]`, defaults to `False`):
-                What each prompt switch does to the caches, as in [`WanCausalPipeline.__call__`]: LongLive's kept
-                sink at a recache (`recache_sink="keep"`), Infinity-RoPE's KV flush and its scene cuts (a RoPE jump at
-                the switches `rope_cut` names).
-            settings ([`~fastgen_diffusers.settings.RolloutSettings`], *optional*):
-                The call's settings as one value, as in [`WanCausalPipeline.__call__`].
+            {shared_args}
 
         Returns:
             [`~pipelines.wan.pipeline_output.WanPipelineOutput`] or `tuple`, as [`WanCausalPipeline`].
         """
-        return self.generate(call_options(VACEOptions, locals()))
+        return self.generate_call(locals())

@@ -39,7 +39,7 @@ from .arguments import prepare_call_options
 from .conditioning import Conditioner
 from .guard import exclusive_rollout, warn_discarding_kept_rollouts
 from .kv_cache_options import KVCacheOptionsMixin
-from .options import RolloutOptions
+from .options import RolloutOptions, call_options
 from .policy import RolloutPolicy, SequentialPolicy
 from .policy_choice import PolicyChoiceMixin
 from .policy_recompute import RecomputePolicy
@@ -330,7 +330,27 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         switch_rule = self.prompt_switch_rule(options, video_bounds)
         check_transition_embeds(options.prompt_transition_chunks, prompt_embeds, switches)
         self.configure_rollout_cache(options, bounds, rolling=rolling)
-        session = self.open_session(
+        session = self.open_call_session(
+            options, conditioner, prompt_embeds, negative_prompt_embeds, schedule, first_schedule, switch_rule, refs
+        )
+        policy = rolling or self.select_policy(options)
+        return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
+
+    def open_call_session(
+        self,
+        options: RolloutOptions,
+        conditioner: Conditioner,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None,
+        schedule: Mapping[str, Any],
+        first_schedule: Mapping[str, Any] | None,
+        switch_rule: PromptSwitchRule,
+        num_reference_frames: int = 0,
+    ) -> RolloutSession:
+        """[`open_session`] for a call with resolved ``options`` (guidance, context noise, attention kwargs, prompt
+        transitions, attention bias) and its prompt switches' ``switch_rule``, keeping the history a recache needs,
+        with or without a scheduled switch: a live one may come (`run.switch_prompt`)."""
+        return self.open_session(
             conditioner,
             prompt_embeds,
             negative_prompt_embeds,
@@ -339,15 +359,12 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
             schedule=schedule,
             first_schedule=first_schedule,
             attention_kwargs=options.attention_kwargs,
-            # what a recache needs, with or without a scheduled switch: a live one may come (`run.switch_prompt`)
             keep_history=history_to_keep(options.keep_cache, options.recache),
-            num_reference_frames=refs,
+            num_reference_frames=num_reference_frames,
             prompt_transition_chunks=options.prompt_transition_chunks,
             kv_cache_attention_bias=options.kv_cache_attention_bias,
             switch_rule=switch_rule,
         )
-        policy = rolling or self.select_policy(options)
-        return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
 
     def prompt_switch_rule(self, options: RolloutOptions, video_bounds: Sequence[tuple[int, int]]) -> PromptSwitchRule:
         """What the prompt switches of a call with resolved ``options`` do to the caches: its settings'
@@ -397,6 +414,11 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         )
         session.attention_bias = 1.0 if kv_cache_attention_bias is None else float(kv_cache_attention_bias)
         return session
+
+    def generate_call(self, arguments: Mapping[str, Any]) -> WanPipelineOutput | tuple:
+        """The body of every causal pipeline's ``__call__``: its arguments (``locals()``) as the pipeline's options
+        ([`call_options`]), generated."""
+        return self.generate(call_options(self._options_class, arguments))
 
     @exclusive_rollout("pipe(...)")
     def generate(self, options: RolloutOptions) -> WanPipelineOutput | tuple:

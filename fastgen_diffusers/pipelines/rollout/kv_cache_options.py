@@ -8,8 +8,7 @@ bookkeeping ``_free_rollouts``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
+from typing import Any
 
 from ...kv_cache import make_engines
 from .guard import warn_discarding_kept_rollouts
@@ -21,22 +20,11 @@ class KVCacheOptionsMixin:
     """Configure and check the engines of a causal pipeline's transformer for a call."""
 
     def configure_kv_cache(
-        self,
-        kv_cache_engine: str | None,
-        attention_window: int | None,
-        sink_frames: int,
-        chunk_bounds: Sequence[tuple[int, int]],
-        # window-relative RoPE and EMA sink (Reward Forcing)
-        rope_positions: str = "absolute",
-        sink_update: str = "fixed",
-        sink_decay: float = 0.999,
-        # 8-bit KV cache
-        kv_cache_dtype: torch.dtype | str | None = None,
+        self, kv_cache_engine: str | None, chunk_bounds: Sequence[tuple[int, int]], **engine_options: Any
     ) -> None:
-        """Give the transformer fresh engines of kind ``kv_cache_engine`` (``"static"`` or ``"vanilla"``) with the
-        sliding window ``attention_window`` / ``sink_frames`` (latent frames), sized for the rollout's chunks, and
-        the positions mode and sink update ``rope_positions`` / ``sink_update`` / ``sink_decay``, storing self K/V as
-        ``kv_cache_dtype`` (``None``: the compute dtype; 8-bit: ``torch.float8_e4m3fn``, ``torch.int8``).
+        """Give the transformer fresh engines of kind ``kv_cache_engine`` (``"static"`` or ``"vanilla"``), sized for
+        the rollout's chunks, with the engine settings ``engine_options`` (the keyword arguments of ``make_engines``:
+        [`CacheSettings.engine_options`], the window and sink, key positions, sink rule and storage dtype).
 
         ``kv_cache_engine=None`` keeps the engines the transformer has (e.g. ones set with
         ``transformer.set_kv_cache_engines``). Called at the start of a rollout, whose caches are empty anyway; the
@@ -46,17 +34,7 @@ class KVCacheOptionsMixin:
             return
         warn_discarding_kept_rollouts(self)
         self._free_rollouts()  # kept rollouts live in the engines being replaced
-        engines = make_engines(
-            self.transformer,
-            kv_cache_engine,
-            window_frames=attention_window,
-            sink_frames=sink_frames,
-            max_frames=chunk_bounds[-1][1],
-            rope_positions=rope_positions,
-            sink_update=sink_update,
-            sink_decay=sink_decay,
-            kv_cache_dtype=kv_cache_dtype,
-        )
+        engines = make_engines(self.transformer, kv_cache_engine, max_frames=chunk_bounds[-1][1], **engine_options)
         self.transformer.set_kv_cache_engines(engines)
 
     def configure_rollout_cache(
@@ -84,10 +62,4 @@ class KVCacheOptionsMixin:
         if rolling is not None:
             window = rolling.engine_window(bounds[0][1] - bounds[0][0])
             engine_options.update(window_frames=window.frames, sink_frames=window.sink)
-        self.configure_kv_cache(
-            options.kv_cache_engine,
-            engine_options.pop("window_frames"),
-            engine_options.pop("sink_frames"),
-            cache_bounds,
-            **engine_options,
-        )
+        self.configure_kv_cache(options.kv_cache_engine, cache_bounds, **engine_options)

@@ -8,32 +8,51 @@ stored settings filling what the call left out.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
 import numpy as np
 import PIL.Image
 import torch
 
-from ...settings import RolloutSettings
+from ...settings import POLICIES, CacheSettings, PromptSchedule, RolloutSettings, SamplingSettings, argument_names
+
+# A call's default where it is not the settings' "unset" (guidance 1.0: no CFG, which an unset guidance means too).
+CALL_DEFAULTS = {"guidance_scale": 1.0}
+
+
+def _argument_default(name: str) -> Any:
+    """The default of the flat settings argument ``name`` in a call (the settings field's, unless
+    :data:`CALL_DEFAULTS` names it)."""
+    if name in CALL_DEFAULTS:
+        return CALL_DEFAULTS[name]
+    for cls in (SamplingSettings, CacheSettings, PromptSchedule, RolloutSettings, *POLICIES.values()):
+        for settings_field in fields(cls):
+            if settings_field.name == name:
+                return settings_field.default
+    return None  # `kv_cache_policy`: none named
+
+
+# The flat settings arguments of a call, one field each (their meaning and rules are the settings values').
+SettingArguments = make_dataclass(
+    "SettingArguments",
+    [(name, Any, field(default=_argument_default(name))) for name in argument_names()],
+    kw_only=True,
+)
+SettingArguments.__module__ = __name__
 
 
 @dataclass(kw_only=True)
-class RolloutOptions:
-    """The arguments of [`WanCausalPipeline.__call__`] (see there), ``return_dict`` included."""
+class RolloutOptions(SettingArguments):
+    """The arguments of [`WanCausalPipeline.__call__`] (see there), ``return_dict`` included: its flat settings
+    arguments ([`SettingArguments`]) and the rest."""
 
     prompt: str | list[str] | dict[int, Any] | None = None
     negative_prompt: str | list[str] | None = None
     height: int | None = 480
     width: int | None = 832
     num_frames: int = 81
-    num_inference_steps: int | None = None
-    timesteps: Sequence[float] | None = None
-    sigmas: Sequence[float] | None = None
-    first_chunk_timesteps: Sequence[float] | None = None
-    guidance_scale: float = 1.0
     chunk_size: int | None = None
-    context_noise: float | None = None
     generator: torch.Generator | list[torch.Generator] | None = None
     latents: torch.Tensor | None = None
     prompt_embeds: torch.Tensor | dict[int, torch.Tensor] | None = None
@@ -44,29 +63,8 @@ class RolloutOptions:
     callback_on_step_end: Callable[..., dict[str, torch.Tensor]] | Any | None = None
     callback_on_step_end_tensor_inputs: list[str] = field(default_factory=lambda: ["latents"])
     max_sequence_length: int = 512
-    keep_cache: bool = False
-    recache: bool = False
-    attention_window: int | None = None
-    sink_frames: int | None = None
-    kv_cache_engine: str | None = "static"
     num_videos_per_prompt: int = 1
-    kv_cache_policy: str | None = None
-    context_frames: int | None = None
-    kv_cache_attention_bias: float | None = None
-    # window-relative RoPE and EMA sink (Reward Forcing)
-    rope_positions: str | None = None
-    sink_update: str | None = None
-    sink_decay: float | None = None
-    # 8-bit KV cache: storage dtype of the self K/V (None: the compute dtype)
-    kv_cache_dtype: torch.dtype | str | None = None
-    # Krea's re-encoded anchor (recompute) and prompt transitions
-    keep_first_frame: bool | None = None
-    prompt_transition_chunks: int = 0
-    # prompt-switch policies: LongLive's kept sink at a recache, Infinity-RoPE's KV flush and scene cuts
-    recache_sink: str = "rerun"
-    kv_flush: bool = False
-    rope_cut: bool | Sequence[int] = False
-    # the call's settings as one value (its flat arguments above at their defaults leave its values standing); after
+    # the call's settings as one value (its flat arguments at their defaults leave its values standing); after
     # `resolve_options`: the call's resolved settings
     settings: RolloutSettings | None = None
 

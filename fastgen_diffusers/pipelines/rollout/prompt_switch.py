@@ -66,7 +66,12 @@ def recache_keeping_sink(session: Any, timestep: torch.Tensor, cache_tag: str) -
     """LongLive's recache with ``global_sink: true``: re-run the last ``window - sink`` frames under the new prompt
     in one forward (one chunk: every frame sees the others and the sink), whose K/V from the old prompt stay. When
     the video is still within the window (``t <= window``) LongLive's recache starts at frame 0 and does rewrite the
-    sink (its sink guard needs a start past 0): the same here."""
+    sink (its sink guard needs a start past 0): the same here.
+
+    The forward attends as one chunk, but the engines record the rollout's chunk boundaries for the re-run frames
+    (the mask layout is not the stored one): the next switch's recache, within ``window - sink`` frames of this one,
+    truncates at one of them (inside this forward's frames) as LongLive's does; the frames kept before it are the
+    sink's, whose K/V (from this forward, when it started at frame 0) stay as the sink rule says."""
     engine = next(e for e in session.transformer.kv_cache_engines.values() if e.tag_state(cache_tag) is not None)
     end = session.num_latent_frames
     # LongLive re-runs frames [end - window, end) into the window's slots and skips the sink's slots when it starts
@@ -81,3 +86,7 @@ def recache_keeping_sink(session: Any, timestep: torch.Tensor, cache_tag: str) -
     session.forward(
         span, context, timestep, cache_tag=cache_tag, store_kv=True, call_options={"chunk_layout": (end - start,)}
     )
+    stored_chunks = tuple(min(chunk.end, end) - max(chunk.start, start) for chunk in pieces)
+    for each in session.transformer.kv_cache_engines.values():
+        if each.tag_state(cache_tag) is not None:
+            each.commit_store(cache_tag, start, end - start, stored_chunks)

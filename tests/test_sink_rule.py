@@ -1,0 +1,88 @@
+"""The sink rule is one object the ledger asks (which frames are pinned, how they are updated): a rule that pins
+the first frames of each segment is a small class, and the ledger's plan, eviction, positions and masks follow it."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+from fastgen_diffusers.kv_cache import AttentionWindow
+from fastgen_diffusers.kv_cache.ledger import Eviction, Ledger
+from fastgen_diffusers.kv_cache.masks import build_sdpa_mask
+from fastgen_diffusers.kv_cache.positions import ROPE_POSITION_MODES, anchor_positions
+from fastgen_diffusers.kv_cache.sink import SegmentSinkRule, SinkRule
+
+SINK_MODULE = pathlib.Path(__file__).resolve().parents[1] / "fastgen_diffusers" / "kv_cache" / "sink.py"
+LAYOUT = dict(batch_size=1, frame_seqlen=2, num_heads=2, head_dim=4, dtype="float32", device="cpu")
+
+
+def segment_ledger(positions: str = "anchor") -> Ledger:
+    """Window of 6 frames (5 of room), the first frame of the segments starting at frames 0 and 6 pinned; stored in
+    chunks of 2 frames up to frame 14."""
+    rule = SegmentSinkRule(1, starts=(0, 6))
+    book = Ledger(AttentionWindow(6, 1), rule, ROPE_POSITION_MODES[positions], positions, fixed_slots=False)
+    book.tags.create("pos", **LAYOUT)
+    for start in range(0, 14, 2):
+        book.begin_call("pos", start, 2)
+        book.store_window("pos", start, start + 2)
+        book.commit_store("pos", start, 2)
+    return book
+
+
+def test_the_sink_rule_module_imports_no_torch():
+    tree = ast.parse(SINK_MODULE.read_text())
+    names = [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names]
+    names += [node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom)]
+    assert not [name for name in names if name.split(".")[0] == "torch"]
+
+
+def test_a_segment_rule_pins_the_first_frames_of_each_segment():
+    rule = SegmentSinkRule(2, starts=(0, 10))
+    assert [f for f in range(14) if rule.pinned(f)] == [0, 1, 10, 11]
+    assert rule.pinned_frames(11) == (0, 1, 10) and rule.count_before(12) == 4
+    assert rule.unpinned_ranges(0, 14) == [(2, 10), (12, 14)]
+    assert rule.pinned_ranges(1, 14) == [(1, 2), (10, 12)]
+    # the prefix rule answers the same questions with the video's first frames
+    assert SinkRule(2).pinned_frames(11) == (0, 1) and SinkRule(2).unpinned_ranges(0, 14) == [(2, 14)]
+    with pytest.raises(ValueError, match="`starts`"):
+        SegmentSinkRule(2, starts=(0, 1))
+    with pytest.raises(ValueError, match="`update`"):
+        SegmentSinkRule(2, "ema", starts=(0, 4))
+
+
+def test_the_ledger_keeps_pinned_frames_of_later_segments_and_plans_them_in_frame_order():
+    book = segment_ledger()
+    # frames 1..5 and 7..8 left the window; frame 6 (a segment's first frame) is kept like frame 0
+    assert book.prefix_frames("pos", 14, 2) == [0, 6, 11, 12, 13]
+    assert book.begin_call("pos", 14, 2) == Eviction(9, 11, None)
+    assert book.held_frames("pos") == 5
+    assert book.held_slots("pos") == [(0, 1), (6, 7), (11, 14)]
+    # an eviction frees only unpinned frames; a store keeps its pinned frames and the frames the window shows
+    assert book.evicted_slot_ranges(0, 11) == [(1, 6), (7, 11)]
+    assert book.kept_ranges(0, 14) == [(0, 1), (6, 7), (9, 14)]
+    plan = book.key_plan("pos", 14, (1, 1))
+    assert plan.frames == (0, 6, 11, 12, 13, 14, 15) and plan.pinned == (True, True, *[False] * 5)
+
+
+def test_positions_and_masks_follow_the_rule():
+    book = segment_ledger()
+    book.begin_call("pos", 14, 2)
+    # "anchor": the pinned frames sit right before the oldest unpinned frame attended, in order
+    assert book.key_positions("pos", 14, 2, 2).keys == (9, 10, 11, 12, 13, 14, 15)
+    assert anchor_positions([0, 6, 11, 12], SegmentSinkRule(1, starts=(0, 6)), 0) == [9, 10, 11, 12]
+    assert anchor_positions([0, 6, 11, 12], AttentionWindow(6, 1), 0) == [5, 6, 11, 12]  # the prefix rule
+    # the mask of a two-chunk call (under 4 recent frames): every query sees both pinned frames, the recent slide
+    window = AttentionWindow(5, 1)
+    mask = build_sdpa_mask(window, 14, (1, 1), 1, "cpu", keys=book.key_plan("pos", 14, (1, 1)))[0, 0]
+    expected = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1, 1, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+def test_a_ring_of_fixed_slots_refuses_a_rule_pinning_later_frames():
+    with pytest.raises(ValueError, match="fixed slots"):
+        Ledger(
+            AttentionWindow(6, 1), SegmentSinkRule(1, starts=(0, 6)), ROPE_POSITION_MODES["absolute"], "absolute", True
+        )
