@@ -200,18 +200,14 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
 
         # 2. Encode input prompt
         device = self._execution_device
-        prompt_embeds, negative_prompt_embeds, prompt_switches = self.encode_rollout_prompts(
-            prompt, options.negative_prompt, prompt_embeds, options.negative_prompt_embeds, prompt_schedule,
-            options.guidance_scale, options.max_sequence_length, device,
-        )  # fmt: skip
+        prompt_embeds, negative_prompt_embeds, prompt_switches = self.encode_call_prompts(
+            options, prompt, prompt_embeds, prompt_schedule, device
+        )
         switches = self.prompt_switch_chunks(prompt_switches, bounds)
         check_transition_embeds(options.prompt_transition_chunks, prompt_embeds, switches)
 
         # 3. Prepare timesteps (set on the scheduler again at every chunk); the video is encoded chunk by chunk
-        schedule = self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)
-        first_schedule = None
-        if options.first_chunk_timesteps is not None:
-            first_schedule = self.rollout_schedule(1, timesteps=options.first_chunk_timesteps)
+        schedule, first_schedule = self.call_schedules(options)
         plan = VideoChunkPlan(schedule, first_schedule, chunker.num_chunks)
         source = VideoToVideoSource(
             chunker,

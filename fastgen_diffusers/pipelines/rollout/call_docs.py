@@ -90,6 +90,8 @@ def _split_types(annotation: str) -> list[str]:
 
 
 def _literal(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_literal(entry) for entry in value) + "]"
     return f'"{value}"' if isinstance(value, str) else repr(value)
 
 

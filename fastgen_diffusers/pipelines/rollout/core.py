@@ -291,24 +291,20 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         self.check_conditioning_fits(options, bounds)
         chunk_size = options.chunk_size or self.transformer.config.chunk_size
         options.settings.check_chunks(bounds, chunk_size, leading_frames=shape.num_reference_frames)
-        schedule = self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)
+        schedule, first_schedule = self.call_schedules(options)
         rolling = self.check_rolling_rollout(options, bounds, len(schedule["sigmas"]))
 
         # 2. Encode input prompt
         device = self._execution_device
-        prompt_embeds, negative_prompt_embeds, prompt_switches = self.encode_rollout_prompts(
-            prompt, options.negative_prompt, prompt_embeds, options.negative_prompt_embeds, prompt_schedule,
-            options.guidance_scale, options.max_sequence_length, device,
-        )  # fmt: skip
+        prompt_embeds, negative_prompt_embeds, prompt_switches = self.encode_call_prompts(
+            options, prompt, prompt_embeds, prompt_schedule, device
+        )
 
         # 3. Encode the conditioning (once: every forward reuses the same tensors, so the cross K/V cache recognizes
         # its conditioning)
         conditioner = self.prepare_conditioner(options, shape, batch_size, device)
 
-        # 4. Prepare timesteps (`schedule`, set on the scheduler again at every chunk) and latent variables
-        first_schedule = None
-        if options.first_chunk_timesteps is not None:
-            first_schedule = self.rollout_schedule(1, timesteps=options.first_chunk_timesteps)
+        # 4. Prepare latent variables (the timesteps, `schedule`, are set on the scheduler again at every chunk)
         latents = self.prepare_latents(
             batch_size,
             self.transformer.config.out_channels,
@@ -668,6 +664,28 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
                     f"Accepted: None (the transformer's {config.chunk_size}) or a size whose chunks stay under "
                     f"{2 * config.chunk_size} latent frames."
                 )
+
+    def encode_call_prompts(
+        self,
+        options: RolloutOptions,
+        prompt: str | list[str] | None,
+        prompt_embeds: torch.Tensor | None,
+        prompt_schedule: Mapping[int, Any],
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[int, torch.Tensor]]:
+        """[`encode_rollout_prompts`] of a call's first prompt and its schedule, with the call's negative prompt,
+        guidance and sequence length."""
+        return self.encode_rollout_prompts(
+            prompt, options.negative_prompt, prompt_embeds, options.negative_prompt_embeds, prompt_schedule,
+            options.guidance_scale, options.max_sequence_length, device,
+        )  # fmt: skip
+
+    def call_schedules(self, options: RolloutOptions) -> tuple[dict[str, list[float]], dict[str, list[float]] | None]:
+        """The [`rollout_schedule`] of a call's chunks (its resolved steps, timesteps or sigmas) and of its first chunk
+        (``None``: the same)."""
+        schedule = self.rollout_schedule(options.num_inference_steps, options.timesteps, options.sigmas)
+        first = options.first_chunk_timesteps
+        return schedule, None if first is None else self.rollout_schedule(1, timesteps=first)
 
     def rollout_schedule(
         self,
