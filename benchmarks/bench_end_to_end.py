@@ -215,14 +215,15 @@ def describe(label: str, runs: list[dict], device: torch.device, plan_total: int
     decode = median(sum(r["decode"]) for r in runs)
     total = median(r["total"] for r in runs)
     first = median(r["first_frame"] for r in runs)
+    stages = text + denoise + decode  # the stages' medians may come from different runs: shares of their sum
     run = runs[len(runs) // 2]
     latency = [a + b for a, b in zip(run["denoise"], run["decode"])]
     line = (
         f"[{label}] {run['frames']} frames in {total:.3f} s = {run['frames'] / total:.2f} frames/s; first frame after "
         f"{first:.3f} s; per chunk (denoise + decode) first {latency[0]:.3f} s, median {median(latency):.3f} s, "
         f"max {max(latency):.3f} s; text {text:.3f} s, denoise {denoise:.3f} s ({len(run['denoise'])} chunks), "
-        f"decode {decode:.3f} s; shares: text {100 * text / total:.1f}%, denoise {100 * denoise / total:.1f}%, "
-        f"decode {100 * decode / total:.1f}% (median of {len(runs)})"
+        f"decode {decode:.3f} s; shares: text {100 * text / stages:.1f}%, denoise {100 * denoise / stages:.1f}%, "
+        f"decode {100 * decode / stages:.1f}% (median of {len(runs)})"
     )
     if peak is not None:
         line += f"; peak {peak / GIB:.2f} GiB vs plan {plan_total / GIB:.2f} GiB (ratio {peak / plan_total:.2f})"

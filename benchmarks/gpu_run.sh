@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The end-to-end GPU figures of issue 25 in one run (about 6-8 min on an H200), for a session that is lent a GPU:
+# The end-to-end GPU figures in one run (about 6-8 min on an H200; the steps' timeouts add up to 550 s, so that it fits
+# one 600 s device command on an H100 too), for a session that is lent a GPU:
 #   1. bench_end_to_end.py --scale 1.3b                  Wan2.1-1.3B shapes, bf16, 480x832, 81 frames: Wan VAE and
 #                                                        tiny decoder rows (frames/s, first frame, per chunk, peak)
 #   2. bench_end_to_end.py --scale 1.3b --weights float8 the same with FP8 linears (tiny decoder row): ratio to 1.

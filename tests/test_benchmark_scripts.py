@@ -155,6 +155,16 @@ def test_end_to_end_benchmark_runs_in_its_tiny_cpu_mode(capsys):
         assert abs(total - 100) < 0.5
 
 
+def test_end_to_end_shares_add_up_when_the_stage_medians_come_from_different_runs():
+    module = load_benchmark("bench_end_to_end")
+    runs = [
+        {"text": t, "denoise": [d], "decode": [c], "total": t + d + c, "first_frame": 1.0, "frames": 9}
+        for t, d, c in [(1.0, 1.0, 1.0), (5.0, 1.0, 1.0), (1.0, 5.0, 1.0)]
+    ]  # medians: text 1, denoise 1, decode 1, total 7
+    line = module.describe("row", runs, None, 1, None)  # no peak: the device is not read
+    assert "shares: text 33.3%, denoise 33.3%, decode 33.3% (median of 3)" in line
+
+
 def test_serve_benchmark_runs_in_a_small_mode(capsys):
     """bench_serve: one client against ``stream()``, two clients, and the JPEG cost, one line each."""
     pytest.importorskip("fastapi")
