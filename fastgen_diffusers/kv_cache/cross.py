@@ -1,9 +1,9 @@
 """The cross-attention cache: K/V of the conditioning per block and tag, and the conditioning that filled them.
 
-Cross K/V are filled by the first no-grad call of a tag (or a ``store_kv`` call whose conditioning differs), read by
-later no-grad calls whose conditioning has the same content, and recomputed (never read) when gradients are enabled or
-the conditioning differs. Reuse is decided by content, never by tensor identity or version counter: a tensor changed in
-place without a version bump (through ``.data``, a NumPy view, ``inference_mode``) must not get the old prompt's K/V.
+Cross K/V are filled by the first ``store_kv`` call of a tag, read by later no-grad calls whose conditioning has the
+same content, and recomputed (never read) when gradients are enabled or the conditioning differs. Reuse is decided
+by content, never by tensor identity or version counter: a tensor changed in place without a version bump (through
+``.data``, a NumPy view, ``inference_mode``) must not get the old prompt's K/V.
 """
 
 from __future__ import annotations
@@ -111,8 +111,7 @@ class CrossKVCache:
             same_source = matches[id(source)]
         if same_source and not grad_enabled:
             return CrossKVMode.READ
-        # a no-grad call fills empty entries too (the first denoising forward of a rollout: its later forwards read)
-        if not same_source and (store_kv or (source is None and not grad_enabled)):
+        if store_kv and not same_source:
             return CrossKVMode.FILL
         return CrossKVMode.COMPUTE
 

@@ -888,7 +888,7 @@ class WanCausalTransformer3DModel(CausalWanMixin, WanTransformer3DModel):
             start_frame: absolute latent index of ``hidden_states[:, :, 0]`` (RoPE offset and cache position).
             cache_tag: cache namespace (``"pos"``, ``"neg"``, ...).
             store_kv: append this call's self K/V to the cache (replacing anything from ``start_frame`` on) and
-                fill the cross K/V if their conditioning differs (a no-grad call fills them when they are empty).
+                fill the cross K/V if they are empty.
             return_dict: return a ``Transformer2DModelOutput`` instead of a tuple.
             attention_kwargs: only ``scale`` (LoRA scale) is read.
             kv_cache_attention_bias: Krea's bias in ``[0.01, 1]``: on a denoising forward (``store_kv=False``) the
