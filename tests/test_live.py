@@ -139,3 +139,15 @@ def test_failed_continuation_keeps_its_branch_prefix_and_leaves_the_others(pipe)
     expected = pipe.continue_rollout(12, branch="main", generator=_seed(3), output_type="latent").frames
     torch.testing.assert_close(retried, expected, rtol=0, atol=0)
     pipe.discard_rollout()
+
+
+def test_a_continuation_past_the_rope_table_raises_the_settings_message():
+    """A continuation is held to the settings' RoPE-table rule (``check_rope_table``), with its message: 12 latent
+    frames kept on a table of 12, three more refused before any work, the kept rollout left as it was."""
+    small = tiny_pipeline(rope_max_seq_len=12)
+    small.set_progress_bar_config(disable=True)
+    small(prompt_embeds=_embeds(1), generator=_seed(0), keep_cache=True, **{**CALL, "num_frames": 45})
+    kept = small.kept_rollout("main").num_latent_frames
+    with pytest.raises(ValueError, match=r"15 latent frames run past the transformer's RoPE table of 12 frames"):
+        small.continue_rollout(12, output_type="latent")
+    assert small.kept_rollout("main").num_latent_frames == kept == 12

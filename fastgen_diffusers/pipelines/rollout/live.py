@@ -28,10 +28,9 @@ from diffusers.utils import logging
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...chunking import ChunkPlan, chunk_bounds, chunk_layout
-from ...kv_cache import ROPE_POSITION_MODES
 from ...parallel import is_main_process
 from ...settings import PromptSchedule
-from ...settings.cache import check_recache_keeps_sink
+from ...settings.cache import check_recache_keeps_sink, check_rope_table
 from ..video_io.autoencoders import streaming_decoder
 from ..video_io.streaming_decode import StreamingWanDecoder
 from ..video_io.streaming_tiny import StreamingTinyWanDecoder
@@ -319,13 +318,12 @@ class LiveRolloutMixin(CausalRolloutMixin):
         engines = self.transformer.kv_cache_engines.values()
         for engine in engines:
             check_recache_keeps_sink(engine.sink_update, recache and (prompt is not None or prompt_embeds is not None))
-        bounded = all(ROPE_POSITION_MODES[engine.rope_positions].bounded for engine in engines)  # window positions
-        bounded = bounded or isinstance(self.kept_rollout(branch).policy, RecomputePolicy)  # below context + chunk
-        rebasing = getattr(self.transformer, "rope_rebasing", False)
-        if bounds[-1][1] > config.rope_max_seq_len and not rebasing and not bounded:
-            raise ValueError(
-                f"Continuing to latent frame {bounds[-1][1]} runs past the RoPE table of {config.rope_max_seq_len} "
-                "frames; call `pipe.transformer.enable_rope_rebasing()` (with an `attention_window`) to go on."
+            check_rope_table(
+                bounds[-1][1],
+                config.rope_max_seq_len,
+                engine.rope_positions,
+                positions_bounded=isinstance(self.kept_rollout(branch).policy, RecomputePolicy),
+                rope_rebasing=getattr(self.transformer, "rope_rebasing", False),
             )
         session = self.kept_rollout(branch)
         device = self._execution_device
