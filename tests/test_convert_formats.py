@@ -15,6 +15,7 @@ from test_convert import _student, fastgen_state_dict, original_state_dict, tiny
 
 from fastgen_diffusers.convert import STUDENT_FORMATS, convert_checkpoint, detect_format, get_format, warp_timesteps
 from fastgen_diffusers.convert.formats import CheckpointFacts
+from fastgen_diffusers.settings import CONFIG_KEYS
 
 SF = warp_timesteps([1000, 750, 500, 250], 5.0)
 
@@ -191,6 +192,8 @@ def test_release_converts_bit_exactly_with_its_format_and_with_auto(name, wan_ba
         keywords = ast.parse(f"pipe({call})", mode="eval").body.keywords
         spelled = {keyword.arg: ast.literal_eval(keyword.value) for keyword in keywords}
         assert spelled and all(value is not None for value in spelled.values())
+        # every stored setting the pipeline config holds, in the settings' order (CONFIG_KEYS), none left out
+        assert list(spelled) == [key for key in CONFIG_KEYS if model_index.get(key) is not None]
         for key, value in spelled.items():
             assert value == (
                 pytest.approx(model_index[key], rel=1e-9) if isinstance(value, list) else model_index[key]

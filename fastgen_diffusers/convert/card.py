@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..hub import HUB_PIPELINE_MODULE
+from ..settings import CONFIG_KEYS
 
 if TYPE_CHECKING:
     from .formats import StudentFormat
@@ -74,13 +75,6 @@ _STORED_IN = {"chunk_size": "transformer config", "independent_first_frame": "tr
 _STORED_IN["shift"] = "scheduler config"
 
 
-# The stored settings a `pipe(...)` call takes as arguments, in the order the card spells them out.
-_CALL_DEFAULTS = (
-    "timesteps", "context_noise", "first_chunk_timesteps", "attention_window", "sink_frames", "kv_cache_policy",
-    "context_frames", "kv_cache_attention_bias", "rope_positions", "sink_update", "sink_decay",
-)  # fmt: skip
-
-
 def model_card(
     result: ConversionResult,
     *,
@@ -128,7 +122,7 @@ def model_card(
     )
     defaults = ", ".join(
         f"{key}={_literal(settings[key])}"
-        for key in _CALL_DEFAULTS
+        for key in CONFIG_KEYS  # the stored settings a `pipe(...)` call takes, in the settings' order
         if key in result.pipeline_settings and settings[key] is not None
     )
     pending_note = ""
