@@ -553,3 +553,35 @@ def test_converted_rolling_forcing_samples_with_the_rolling_window_by_default(wa
 def test_stored_settings_the_pipelines_would_refuse_are_refused(overrides, match):
     with pytest.raises(ValueError, match=match):
         get_format("self-forcing").sampling.replace(**overrides)
+
+
+def test_every_stored_setting_is_taken_by_convert_and_by_the_cli(wan_base, tmp_path, capsys):  # noqa: F811
+    """Each setting a pipeline config stores (the settings' ``CONFIG_KEYS``) is a ``generate`` flag, a ``convert`` flag
+    and a ``convert_checkpoint`` keyword (a [`StudentSettings`] field), and what ``convert`` is given reaches
+    ``model_index.json`` and the card's spelled-out call: ``keep_first_frame`` of a Krea student, through the CLI.
+    Anything else is refused by name before any work."""
+    from dataclasses import fields
+
+    from fastgen_diffusers import cli
+    from fastgen_diffusers.cli.common import SETTINGS_FLAGS
+    from fastgen_diffusers.cli.convert import stored_settings_flags
+    from fastgen_diffusers.convert import StudentSettings
+
+    student = {f.name for f in fields(StudentSettings)}
+    assert set(CONFIG_KEYS) <= student
+    assert set(CONFIG_KEYS) <= set(SETTINGS_FLAGS.values())
+    convert_flags = {SETTINGS_FLAGS[dest] for dest in stored_settings_flags()}
+    assert set(CONFIG_KEYS) <= convert_flags <= student
+    with pytest.raises(ValueError, match=r"`shiftt` is not a stored setting of `convert_checkpoint`") as error:
+        convert_checkpoint(tmp_path / "missing.pt", base=wan_base, output=tmp_path / "never", shiftt=5.0)
+    assert all(repr(name) in str(error.value) for name in CONFIG_KEYS)
+    assert not (tmp_path / "never").exists()
+
+    output = tmp_path / "krea"
+    argv = ["convert", "--checkpoint", str(write_release(tmp_path, "krea")), "--base", str(wan_base)]
+    argv += ["--output", str(output), "--format", "krea", "--base-model-id", "org/w", "--keep-first-frame"]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    assert json.loads((output / "model_index.json").read_text())["keep_first_frame"] is True
+    card = (output / "README.md").read_text()
+    assert "keep_first_frame=True" in re.search(r"`pipe\(prompt, (.*?)\)` spells out", card, flags=re.S).group(1)

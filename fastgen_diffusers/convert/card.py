@@ -37,6 +37,7 @@ _SETTING_DOCS = {
     "rope_positions": "temporal RoPE positions of cached keys",
     "sink_update": "sink update",
     "sink_decay": "decay of the EMA sink",
+    "keep_first_frame": "first latent frame kept as the recompute anchor",
 }
 
 

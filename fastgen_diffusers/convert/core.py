@@ -5,8 +5,10 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import init_empty_weights
@@ -15,8 +17,9 @@ from diffusers.utils import logging
 
 from ..hub import make_hub_loadable
 from ..models import WanCausalTransformer3DModel
+from ..settings import ArgumentTypeError
 from .card import model_card
-from .formats import get_format
+from .formats import StudentSettings, get_format
 from .loading import LazySafetensors, detect_format, load_checkpoint_safely, load_lora_state_dict
 from .mapping import CheckpointConversionError, check_state_dict, diffusers_key_map, lora_key_map, merge_lora
 from .result import ConversionResult
@@ -119,26 +122,13 @@ def convert_checkpoint(
     format: str = "auto",
     ema: bool | str | None = None,
     dtype: torch.dtype | str | None = None,
-    chunk_size: int | None = None,
-    timesteps: Sequence[float] | None = None,
-    shift: float | None = None,
-    context_noise: float | None = None,
-    independent_first_frame: bool | None = None,
-    first_chunk_timesteps: Sequence[float] | None = None,
-    attention_window: int | None = None,
-    sink_frames: int | None = None,
-    kv_cache_policy: str | None = None,
-    context_frames: int | None = None,
-    kv_cache_attention_bias: float | None = None,
-    rope_positions: str | None = None,
-    sink_update: str | None = None,
-    sink_decay: float | None = None,
     base_model_id: str | None = None,
     lora: str | os.PathLike | None = None,
     lora_alpha: float | None = None,
     keep_lora: bool = False,
     allow_non_finite: bool = False,
     max_shard_size: int | str = "5GB",
+    **settings: Any,
 ) -> ConversionResult:
     """Convert a released causal-Wan student checkpoint into a [`WanCausalPipeline`] directory.
 
@@ -150,9 +140,9 @@ def convert_checkpoint(
         ema: ``None`` (what the project's loader takes), ``True``, ``False`` or the name of a weight copy.
         dtype: Cast the transformer weights (``"bfloat16"``, ``torch.float16``, ``"float8_e4m3fn"``, ...; see
             ``DTYPE_NAMES``); default: keep the checkpoint's.
-        chunk_size, timesteps, shift, context_noise, independent_first_frame, first_chunk_timesteps,
-            attention_window, sink_frames, kv_cache_policy, context_frames, kv_cache_attention_bias, rope_positions,
-            sink_update, sink_decay: Override the format's settings (see [`StudentSettings`]; ``None`` keeps it).
+        **settings: Override the format's stored settings, each by the name of a [`StudentSettings`] field
+            (``chunk_size``, ``timesteps``, ``shift``, ``context_noise``, ``attention_window``, ``sink_decay``, ...;
+            ``None`` keeps the format's).
         base_model_id: Hub id written as ``base_model`` in the model card; default: ``base`` when it is a Hub id (or a
             Hub cache snapshot). A local ``base`` without one gets a card without ``base_model``, with a warning.
         lora: A PEFT LoRA file (LongLive's ``lora.pt``) to merge, ``W + alpha / r * B @ A`` in float32.
@@ -167,6 +157,10 @@ def convert_checkpoint(
     """
     dtype = _parse_dtype(dtype)
     max_shard_size = parse_size(max_shard_size)
+    stored = tuple(f.name for f in fields(StudentSettings))
+    unknown = sorted(set(settings) - set(stored))
+    if unknown:
+        raise ArgumentTypeError(f"`{unknown[0]}` is not a stored setting of `convert_checkpoint`; accepted: {stored}.")
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise FileExistsError(f"--output {str(output)!r} exists and is not an empty directory; pick a new one.")
@@ -192,22 +186,7 @@ def convert_checkpoint(
     weights = detected.copies[copy]
     key_map = diffusers_key_map(weights)
 
-    sampling = row.sampling.replace(
-        timesteps=timesteps,
-        shift=shift,
-        context_noise=context_noise,
-        chunk_size=chunk_size,
-        independent_first_frame=independent_first_frame,
-        first_chunk_timesteps=first_chunk_timesteps,
-        attention_window=attention_window,
-        sink_frames=sink_frames,
-        kv_cache_policy=kv_cache_policy,
-        context_frames=context_frames,
-        kv_cache_attention_bias=kv_cache_attention_bias,
-        rope_positions=rope_positions,
-        sink_update=sink_update,
-        sink_decay=sink_decay,
-    )
+    sampling = row.sampling.replace(**settings)
     config = _causal_config(base_dir, sampling.chunk_size, sampling.independent_first_frame)
     with init_empty_weights():
         meta_model = WanCausalTransformer3DModel.from_config(config)

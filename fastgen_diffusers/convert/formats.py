@@ -56,6 +56,8 @@ class StudentSettings:
         rope_positions: Temporal RoPE positions of the cached keys: ``"absolute"`` or ``"window"``.
         sink_update: ``"fixed"`` or ``"ema"`` (Reward Forcing: frames leaving the window are averaged into the sink).
         sink_decay: The EMA's decay (Reward Forcing's ``compression_alpha``, 0.999); only with ``sink_update="ema"``.
+        keep_first_frame: Keep the video's first latent frame as the recompute anchor for ever (Krea's
+            ``keep_first_frame``); only with ``kv_cache_policy="recompute"``.
     """
 
     timesteps: tuple[float, ...]
@@ -73,6 +75,7 @@ class StudentSettings:
     rope_positions: str = "absolute"
     sink_update: str = "fixed"
     sink_decay: float | None = None
+    keep_first_frame: bool | None = None
 
     def __post_init__(self):
         if self.timesteps is None:
