@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib.metadata import entry_points
+from typing import ClassVar  # a test policy's class variables (dataclasses read the module's names)
 
 import imageio.v3 as iio
 import numpy as np
@@ -383,3 +385,34 @@ def test_the_cli_knows_the_tiny_models_chunk_layouts():
             name: value for name, value in layout.items() if name != "t2v_student"
         }
         assert layout["t2v_student"] == (config.in_channels == config.out_channels and config.image_dim is None)
+
+
+def test_the_settings_flags_are_derived_from_the_settings_values():
+    """Every flat settings argument is a settings flag (but ``sigmas``, ``kv_cache_engine`` and ``keep_cache``), with
+    argparse options from its field's type, so a new option of a plain type, a registered policy's included, gets its
+    flag with no line in the CLI; every setting a pipeline config stores is one of them."""
+    from fastgen_diffusers.cli.common import SETTINGS_ARGUMENTS, settings_flag_table
+    from fastgen_diffusers.settings import CONFIG_KEYS, POLICIES, PolicySettings, argument_names, register_policy
+    from fastgen_diffusers.settings.base import setting
+
+    names = [name for name, _ in SETTINGS_ARGUMENTS.values()]
+    assert names == [name for name in argument_names() if name not in ("sigmas", "kv_cache_engine", "keep_cache")]
+    assert set(CONFIG_KEYS) <= set(names)
+    assert SETTINGS_ARGUMENTS["steps"] == ("num_inference_steps", {"type": int})
+    assert SETTINGS_ARGUMENTS["sink_decay"] == ("sink_decay", {"type": float})
+    assert SETTINGS_ARGUMENTS["keep_first_frame"] == ("keep_first_frame", {"action": "store_true"})
+
+    @register_policy
+    @dataclass(frozen=True)
+    class StrideSettings(PolicySettings):
+        name: ClassVar[str] = "stride-test"
+        title: ClassVar[str] = "a test policy"
+        stride: int | None = setting(None, "Chunks to skip.")
+        damping: float | None = setting(None, "A factor.")
+
+    try:
+        table = settings_flag_table()
+    finally:
+        del POLICIES["stride-test"]
+    assert table["stride"] == ("stride", {"type": int}) and table["damping"] == ("damping", {"type": float})
+    assert {dest: entry for dest, entry in table.items() if dest not in ("stride", "damping")} == SETTINGS_ARGUMENTS

@@ -8,15 +8,21 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Iterable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from ..settings import (
     KEY_POSITIONS,
     KV_CACHE_DTYPE_NAMES,
+    POLICIES,
     RECACHE_SINKS,
     SINK_UPDATES,
+    CacheSettings,
+    PromptSchedule,
     RolloutSettings,
+    SamplingSettings,
+    argument_names,
     policy_names,
 )
 
@@ -31,31 +37,46 @@ LAYOUT_DEFAULTS = {"chunk_size": 3, "independent_first_frame": False, "rope_max_
 
 
 # The flags that set a settings value (fastgen_diffusers.settings): flag dest -> (the settings argument, the pipelines'
-# keyword argument it sets; argparse options). Each flag's help is the value's own documentation and its default None
-# (left out: the model's stored value, or the format's, stands); `generate` takes them all, `convert` those it stores.
-# A new setting is one line here.
-SETTINGS_ARGUMENTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "steps": ("num_inference_steps", {"type": int}),
-    "timesteps": ("timesteps", {"type": float, "nargs": "+", "metavar": "T"}),
-    "first_chunk_timesteps": ("first_chunk_timesteps", {"type": float, "nargs": "+", "metavar": "T"}),
-    "guidance_scale": ("guidance_scale", {"type": float}),
-    "context_noise": ("context_noise", {"type": float}),
-    "attention_window": ("attention_window", {"type": int}),
-    "sink_frames": ("sink_frames", {"type": int}),
-    "kv_cache_policy": ("kv_cache_policy", {"choices": policy_names()}),
-    "context_frames": ("context_frames", {"type": int}),
-    "keep_first_frame": ("keep_first_frame", {"action": "store_true"}),
-    "kv_cache_attention_bias": ("kv_cache_attention_bias", {"type": float}),
-    "rope_positions": ("rope_positions", {"choices": tuple(KEY_POSITIONS)}),
-    "sink_update": ("sink_update", {"choices": SINK_UPDATES}),
-    "sink_decay": ("sink_decay", {"type": float}),
-    "kv_cache_dtype": ("kv_cache_dtype", {"choices": KV_CACHE_DTYPE_NAMES}),
-    "prompt_transition_chunks": ("prompt_transition_chunks", {"type": int}),
-    "recache": ("recache", {"action": "store_true"}),
-    "recache_sink": ("recache_sink", {"choices": RECACHE_SINKS}),
-    "kv_flush": ("kv_flush", {"action": "store_true"}),
-    "rope_cut": ("rope_cut", {"action": "rope_cut", "nargs": "*", "type": int, "metavar": "FRAME"}),
+# keyword argument it sets; argparse options), one per flat settings argument, derived from the settings values: the
+# argparse options from the field's type, the choices from the registries. Each flag's help is the value's own
+# documentation and its default None (left out: the model's stored value, or the format's, stands); `generate` takes
+# them all, `convert` those it stores. A new setting of a plain type needs no line here.
+# Not flags: `sigmas` (`--timesteps` says the schedule), `kv_cache_engine` (the static engine), `keep_cache` (a
+# command line runs once; nothing continues its rollout).
+_NOT_FLAGS = ("sigmas", "kv_cache_engine", "keep_cache")
+_DESTS = {"num_inference_steps": "steps"}
+_CHOICES = {
+    "kv_cache_policy": policy_names(),
+    "rope_positions": tuple(KEY_POSITIONS),
+    "sink_update": SINK_UPDATES,
+    "kv_cache_dtype": KV_CACHE_DTYPE_NAMES,
+    "recache_sink": RECACHE_SINKS,
 }
+_OPTIONS_OF_TYPE = {
+    "int": {"type": int},
+    "float": {"type": float},
+    "tuple[float, ...]": {"type": float, "nargs": "+", "metavar": "T"},
+    "bool": {"action": "store_true"},
+    "bool | tuple[int, ...]": {"action": "rope_cut", "nargs": "*", "type": int, "metavar": "FRAME"},
+}
+
+
+def _flag_options(name: str) -> dict[str, Any]:
+    """The argparse options of the flat settings argument ``name``: its choices, else by its field's type."""
+    if name in _CHOICES:
+        return {"choices": _CHOICES[name]}
+    owners = (SamplingSettings, CacheSettings, PromptSchedule, *POLICIES.values())
+    (field,) = (f for owner in owners for f in fields(owner) if f.name == name)
+    return dict(_OPTIONS_OF_TYPE[field.type.removesuffix(" | None")])
+
+
+def settings_flag_table() -> dict[str, tuple[str, dict[str, Any]]]:
+    """The settings flags of the settings values as registered now (:data:`SETTINGS_ARGUMENTS`)."""
+    names = (name for name in argument_names() if name not in _NOT_FLAGS)
+    return {_DESTS.get(name, name): (name, _flag_options(name)) for name in names}
+
+
+SETTINGS_ARGUMENTS = settings_flag_table()
 SETTINGS_FLAGS = {dest: name for dest, (name, _) in SETTINGS_ARGUMENTS.items()}
 
 

@@ -141,7 +141,7 @@ def convert_checkpoint(
         dtype: Cast the transformer weights (``"bfloat16"``, ``torch.float16``, ``"float8_e4m3fn"``, ...; see
             ``DTYPE_NAMES``); default: keep the checkpoint's.
         **settings: Override the format's stored settings, each by the name of a [`StudentSettings`] field
-            (``chunk_size``, ``timesteps``, ``shift``, ``context_noise``, ``attention_window``, ``sink_decay``, ...;
+            (``chunk_size``, ``timesteps``, ``shift``, ``attention_window``, ``kv_cache_policy``, ...;
             ``None`` keeps the format's).
         base_model_id: Hub id written as ``base_model`` in the model card; default: ``base`` when it is a Hub id (or a
             Hub cache snapshot). A local ``base`` without one gets a card without ``base_model``, with a warning.
