@@ -244,9 +244,10 @@ class SessionManager:
         Raises:
             ValueError: the running stream's settings serve no prompt switch (their own message); nothing is purged.
         """
-        run = session.run
-        if run is not None and session.start_request is None:
-            check_prompt_switch(run, session.frames_sent)
+        with self._cond:  # one consistent snapshot: the worker may replace the run meanwhile (it re-checks later)
+            run, start_request, frames_sent = session.run, session.start_request, session.frames_sent
+        if run is not None and start_request is None:
+            check_prompt_switch(run, frames_sent)
         with self._cond:
             session.prompt_request = (prompt, transition_chunks)  # a later change replaces one not applied yet
             purged = session.purge()
@@ -396,7 +397,8 @@ class SessionManager:
         """Close the session's rollout and free its caches (they are the session's own)."""
         if session.chunks is not None:
             session.chunks.close()
-        session.chunks = session.run = None
+        with self._cond:  # request_prompt reads the run under the lock
+            session.chunks = session.run = None
         if session.pipe is not None:
             session.pipe.transformer.clear_caches()
         self.budget.release(session.id)
@@ -462,12 +464,13 @@ class SessionManager:
             pipe.transformer, rollout, settings.height, settings.width, latent_frames, self.max_sequence_length
         )
         self.budget.reserve(session.id, needed)
-        session.run = pipe.prepare_rollout(options)
+        run = pipe.prepare_rollout(options)
         if num_frames is None and not video:  # a video session runs as long as its frames come
-            session.run = session.run.endless()
-        session.chunks = pipe.stream_run(session.run)
+            run = run.endless()
+        chunks = pipe.stream_run(run)
+        with self._cond:  # request_prompt snapshots the run and its frames sent under the lock
+            session.run, session.chunks, session.frames_sent = run, chunks, 0
         session.next_chunk = 0
-        session.frames_sent = 0
         session.num_frames = num_frames
         session.frame_size = (settings.height, settings.width)
         resolved = {**settings.to_dict(session.run.options.settings), "num_frames": num_frames}
@@ -527,8 +530,8 @@ class SessionManager:
             "cache_bytes": session.cache_bytes(),  # the session's KV cache after this chunk
         }
         session.next_chunk += 1
-        session.frames_sent += len(frames)
         with self._cond:
+            session.frames_sent += len(frames)
             stale = generation != session.generation  # a stop or a restart arrived while it ran: never posted
             full = session.pending_chunks >= self.max_pending_chunks  # only with slow_client="drop"
             if stale:
