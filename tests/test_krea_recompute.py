@@ -112,9 +112,13 @@ def test_unbiased_recompute_policy_reproduces_every_call_and_the_final_latents(r
     calls, final, cache_bytes = run_policy(reference, "unbiased", "unbiased", 1.0)
     recorded = meta["variants"]["unbiased"]["calls"]
     assert len(calls) == len(recorded)
+    # the recompute passes are store-only (no prediction): what they store is read by every later call
+    assert [out is None for *_, out in calls] == [call["recompute"] for call in recorded]
     worst = 0.0
     for call, (start_frame, store_kv, out) in zip(recorded, calls):
         assert (start_frame, store_kv) == (call["replay_start_frame"], call["replay_store_kv"])
+        if out is None:
+            continue
         worst = max(worst, (layout(out) - outputs[f"{call['name']}.flow_pred"]).abs().max().item())
     assert worst <= 1e-5, worst
     error = (layout(final) - outputs["unbiased.final_latents"]).abs().max().item()

@@ -189,15 +189,16 @@ def longlive_free_run(longlive, **policy):
 
 
 def test_longlive_free_run_matches_every_call_and_the_final_latents(longlive):
-    """``recache=True, recache_sink="keep"`` reproduces every forward (the recache at frame 15 on frames 6..14, the
-    last chunk's cache pass excepted: the pipeline does not run it) and the final latents; the default sink rule
+    """``recache=True, recache_sink="keep"`` reproduces every forward's input and every prediction (the recache at
+    frame 15 on frames 6..14 included, the last chunk's cache pass excepted: the pipeline does not run it) and the
+    final latents; the default sink rule
     (``"rerun"``) and the plain switch (no recache) miss the final latents."""
     meta, _, outputs = longlive
     final, calls = longlive_free_run(longlive, recache_sink="keep")
     assert len(calls) == len(meta["calls"]) - 1
-    # the pipeline's cache passes are store-only (no prediction): what they store is read by every later call;
-    # the recaches return theirs
-    cache_passes = [call["timestep"][0] == 0.0 and not call["recache"] for call in meta["calls"][: len(calls)]]
+    # the pipeline's cache passes and recaches are store-only (no prediction): what they store is read by every
+    # later call
+    cache_passes = [call["timestep"][0] == 0.0 or call["recache"] for call in meta["calls"][: len(calls)]]
     assert [out is None for _, out in calls] == cache_passes
     worst_in = worst_out = 0.0
     for call, (x, out) in zip(meta["calls"], calls):

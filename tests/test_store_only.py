@@ -18,7 +18,6 @@ from conftest import make_causal_transformer
 from torch._dynamo.utils import counters
 
 from fastgen_diffusers.kv_cache import make_engines
-from fastgen_diffusers.pipelines.rollout import session as session_module
 from fastgen_diffusers.testing import tiny_pipeline, tiny_vace_pipeline
 
 ENGINES = [
@@ -166,6 +165,13 @@ T2V_CALL = {
     "num_inference_steps": 2,
     "output_type": "latent",
 }
+SWITCH = {  # latent frames 0-14, the prompt switches at frame 12 (pixel frame 45): the window has evicted frames
+    "prompt_embeds": {0: randn(1, 8, 32, seed=3), 45: randn(1, 8, 32, seed=5)},
+    "num_frames": 57,
+    "recache": True,
+    "attention_window": 9,
+    "sink_frames": 3,
+}
 VACE_CALL = {
     "video": frames(25),
     "prompt_embeds": randn(1, 8, 32, seed=3),
@@ -183,11 +189,17 @@ VACE_CALL = {
         (tiny_pipeline, T2V_CALL),
         (tiny_vace_pipeline, VACE_CALL),  # VACE on both layers: the last block runs whole, the head is skipped
         (lambda: tiny_vace_pipeline(vace_layers=(0,)), VACE_CALL),  # the last main block only stores
+        (tiny_pipeline, {**T2V_CALL, "kv_cache_policy": "recompute", "context_frames": 3}),  # the rebuilds
+        (tiny_pipeline, {**T2V_CALL, "kv_cache_policy": "rolling", "num_frames": 57}),  # the commits
+        (tiny_pipeline, {**T2V_CALL, **SWITCH}),  # the recache of the frames the window keeps
+        (tiny_pipeline, {**T2V_CALL, **SWITCH, "recache_sink": "keep"}),  # LongLive's recache keeping the sink
     ],
-    ids=["t2v-cfg", "vace-last-layer", "vace-first-layer"],
+    ids=["t2v-cfg", "vace-last-layer", "vace-first-layer", "recompute", "rolling", "recache", "recache-keep-sink"],
 )
 @torch.no_grad()
-def test_pipeline_cache_passes_are_store_only_and_change_nothing(make, call, monkeypatch):
+def test_pipeline_cache_passes_are_store_only_and_change_nothing(make, call):
+    """Every forward of a pipeline that stores (cache pass, rebuild, commit, recache) is store-only; the latents
+    equal those of the same rollout with every store a full forward, bit for bit."""
     pipe = make()
     pipe.set_progress_bar_config(disable=True)
     stores, forward = [], pipe.transformer.forward
@@ -200,8 +212,8 @@ def test_pipeline_cache_passes_are_store_only_and_change_nothing(make, call, mon
 
     pipe.transformer.forward = recording
     got = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
-    del pipe.transformer.forward
     assert stores and all(store_only and out is None for store_only, out in stores)
-    monkeypatch.setattr(session_module, "STORE_ONLY", {})  # the full cache pass
+    pipe.transformer.forward = lambda *args, store_only=False, **kwargs: forward(*args, **kwargs)  # full stores
     expected = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    del pipe.transformer.forward
     assert torch.equal(got, expected)

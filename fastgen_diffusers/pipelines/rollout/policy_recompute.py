@@ -52,7 +52,7 @@ from ..video_io.autoencoders import streaming_decoder, streaming_encoder
 from ..video_io.streaming_decode import StreamingWanDecoder
 from ..video_io.streaming_tiny import StreamingTinyWanDecoder
 from .policy import SequentialPolicy
-from .session import RolloutSession
+from .session import STORE_ONLY, RolloutSession
 
 
 def fork_decoder(
@@ -229,8 +229,8 @@ class RecomputePolicy(SequentialPolicy):
                 engine.truncate(tag, 0)
         window = ChunkSpan(span.index, 0, context.shape[2])
         timestep = session.context_timestep(context.shape[0], context.device)
-        for cache_tag in session.cache_tags:
-            session.forward(window, context, timestep, cache_tag=cache_tag, store_kv=True)
+        for cache_tag in session.cache_tags:  # the prediction is not read: a store-only forward
+            session.forward(window, context, timestep, cache_tag=cache_tag, store_kv=True, call_options=STORE_ONLY)
 
     def run(self, pipe, session, plan, source, **options):
         """[`SequentialPolicy.run`] with the cache rebuilt before each chunk and no cache pass after it; a prompt

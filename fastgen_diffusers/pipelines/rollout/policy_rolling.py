@@ -42,7 +42,7 @@ from ...kv_cache import AttentionWindow
 from ...settings import RollingSettings
 from .policy import RolloutPolicy, SequentialPolicy
 from .records import ChunkRecord
-from .session import RolloutSession
+from .session import STORE_ONLY, RolloutSession
 from .sources import NoiseSource
 
 # the engines' positions mode: the sink re-rotated before the oldest frame attended (the policy's settings say so)
@@ -249,6 +249,7 @@ class RollingPolicy(RolloutPolicy):
     def _commit(session: RolloutSession, chunk: ChunkSpan, clean: torch.Tensor, options) -> torch.Tensor:
         """Write ``chunk``'s ``clean`` latents into every cache tag at the context timestep (the commit)."""
         timestep = session.context_timestep(clean.shape[0], clean.device)
+        options = {**options, **STORE_ONLY}  # the prediction is not read: a store-only forward
         for cache_tag in session.cache_tags:
             session.forward(chunk, clean, timestep, cache_tag=cache_tag, store_kv=True, call_options=options)
         return clean

@@ -83,9 +83,8 @@ def recache_keeping_sink(session: Any, timestep: torch.Tensor, cache_tag: str) -
         if each.tag_state(cache_tag) is not None:
             each.truncate(cache_tag, start)
     span = ChunkSpan(pieces[0].chunk_index, start, end)
-    session.forward(
-        span, context, timestep, cache_tag=cache_tag, store_kv=True, call_options={"chunk_layout": (end - start,)}
-    )
+    options = {"chunk_layout": (end - start,), "store_only": True}  # the prediction is not read
+    session.forward(span, context, timestep, cache_tag=cache_tag, store_kv=True, call_options=options)
     stored_chunks = tuple(min(chunk.end, end) - max(chunk.start, start) for chunk in pieces)
     for each in session.transformer.kv_cache_engines.values():
         if each.tag_state(cache_tag) is not None:

@@ -372,7 +372,7 @@ class RolloutSession:
 
     def _restore(self, chunk: ChunkRecord, timestep: torch.Tensor, cache_tag: str) -> None:
         span = ChunkSpan(chunk.chunk_index, chunk.start, chunk.end)
-        self.forward(span, chunk.context, timestep, cache_tag=cache_tag, store_kv=True)
+        self.forward(span, chunk.context, timestep, cache_tag=cache_tag, store_kv=True, call_options=STORE_ONLY)
 
     # ------------------------------------------------------------------ cache edits
     def truncate(self, frame: int) -> None:
