@@ -13,7 +13,9 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
+import torch._dynamo
 from conftest import make_causal_transformer
+from torch._dynamo.utils import counters
 
 from fastgen_diffusers.kv_cache import make_engines
 from fastgen_diffusers.pipelines.rollout import session as session_module
@@ -65,6 +67,55 @@ def test_store_only_stores_what_the_full_forward_stores(options):
     call = {"start_frame": 8, "return_dict": False}
     assert torch.equal(store_only(latents[:, :, 8:11], torch.full((1,), 500.0), text, **call)[0],
                        full(latents[:, :, 8:11], torch.full((1,), 500.0), text, **call)[0])  # fmt: skip
+
+
+def test_store_only_stores_the_image_kv_and_a_store_with_gradients():
+    """I2V (image tokens lead the context, ``added_kv_proj``): the image cross K/V are filled as the full forward
+    fills them. A store with gradients enabled (training) stores what the full forward stores."""
+    full = make_causal_transformer(added_kv_proj_dim=64, image_dim=24)
+    store_only = copy.deepcopy(full)
+    latents, text, image = randn(1, 16, 9, 4, 4, seed=1), randn(1, 8, 32, seed=2), randn(1, 5, 24, seed=3)
+    for start in (0, 3, 6):
+        chunk, call = latents[:, :, start : start + 3], {"start_frame": start, "return_dict": False}
+        with torch.no_grad():
+            expected = full(chunk, torch.full((1,), 750.0), text, image, **call)[0]
+            assert torch.equal(store_only(chunk, torch.full((1,), 750.0), text, image, **call)[0], expected)
+        with torch.enable_grad():
+            full(chunk, torch.zeros(1), text, image, store_kv=True, **call)
+            store_only(chunk, torch.zeros(1), text, image, store_kv=True, store_only=True, **call)
+    with torch.no_grad():
+        call = {"start_frame": 9, "return_dict": False}
+        got = store_only(latents[:, :, 6:9], torch.full((1,), 500.0), text, image, **call)[0]
+        assert torch.equal(got, full(latents[:, :, 6:9], torch.full((1,), 500.0), text, image, **call)[0])
+
+
+@torch.no_grad()
+def test_compiled_blocks_store_what_their_full_forward_stores():
+    """Under ``compile_repeated_blocks`` the last block of a store-only forward runs its compiled graph whole (only
+    the output head is skipped): the cache equals a compiled full store bit for bit (inductor rounds differently
+    from the eager store-only path), with no graph and no recompile more."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_causal_transformer()
+    model.compile_repeated_blocks(fullgraph=True)
+    latents, text = randn(1, 16, 12, 4, 6, seed=1), randn(1, 8, 32, seed=2)
+
+    def rollout(**store):
+        model.set_kv_cache_engines(make_engines(model, max_frames=12, kind="static"))
+        outputs = []
+        for start in range(0, 12, 3):
+            chunk, call = latents[:, :, start : start + 3], {"start_frame": start, "return_dict": False}
+            outputs.append(model(chunk, torch.full((1,), 750.0), text, **call)[0])
+            model(chunk, torch.zeros(1), text, store_kv=True, **call, **store)
+        return torch.cat(outputs, dim=2)
+
+    try:
+        expected = rollout()
+        graphs = counters["stats"]["unique_graphs"]
+        assert torch.equal(rollout(store_only=True), expected)
+        assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"]
+    finally:
+        torch._dynamo.reset()
 
 
 @torch.no_grad()

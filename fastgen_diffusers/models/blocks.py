@@ -63,6 +63,14 @@ def causal_block_forward(
     return hidden_states.type_as(ff_output)
 
 
+def is_compiled_block(block: torch.nn.Module) -> bool:
+    """Whether calling ``block`` runs compiled code: ``block.compile()`` (what ``compile_repeated_blocks`` calls) or
+    ``torch.compile(block)`` in its place."""
+    return getattr(block, "_compiled_call_impl", None) is not None or isinstance(
+        block, torch._dynamo.eval_frame.OptimizedModule
+    )
+
+
 def causal_block_store_only(
     block: WanTransformerBlock | WanVACETransformerBlock,
     hidden_states: torch.Tensor,

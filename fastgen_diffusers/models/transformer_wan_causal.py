@@ -30,7 +30,7 @@ from ..parallel import (
 from ..processors import WanCausalAttnProcessor, WanCausalCrossAttnProcessor, apply_rotary_emb
 from ..processors.attention import BlockAttentionInputs
 from .attention_inputs import build_attention_inputs, query_rotations, store_attention_outputs
-from .blocks import WanCausalTransformerBlock, causal_block_store_only
+from .blocks import WanCausalTransformerBlock, causal_block_store_only, is_compiled_block
 from .call_checks import check_transformer_inputs, same_timestep_values
 from .rope import CausalRotaryTables
 
@@ -550,8 +550,11 @@ class CausalWanMixin:
         prefix of ``block_inputs[i]`` (its :class:`BlockAttentionInputs`) before and dropping it after.
 
         ``store_only``: the last block only stores its K/V (:func:`causal_block_store_only`, no prefix gathered) and
-        the returned hidden states are those of the block before it (nothing reads them)."""
-        if store_only and len(blocks) > 0:
+        the returned hidden states are those of the block before it (nothing reads them). A compiled last block
+        (``compile_repeated_blocks``) runs whole instead: the K/V it stores are then those of the compiled block that
+        every full forward runs (compiled kernels may round differently from the eager store-only path), and the
+        store pass reuses its graph."""
+        if store_only and len(blocks) > 0 and not is_compiled_block(blocks[-1]):
             *blocks, last = blocks
             hidden_states = self._run_blocks(
                 blocks, hidden_states, context, timestep_proj, rotary_emb, block_inputs, views
@@ -745,8 +748,8 @@ class CausalWanMixin:
         batch_size = hidden_states.shape[0]
         post_f, post_h, post_w = call.grid
         # Traced whole (`torch.compile(transformer)`), a store-only forward runs whole and drops its prediction: its
-        # graphs are then the full forward's, so that a store pass adds none (compiled blocks, run from this eager
-        # Python, still skip the last block's tail).
+        # graphs are then the full forward's, so that a store pass adds none. Compiled blocks run from this eager
+        # Python: a compiled last block runs whole too (see `_run_blocks`), only the output head is skipped.
         skip_tail = store_only and not torch.compiler.is_compiling()
         hidden_states = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()  # (B, F*S, D)
         cp_config = context_parallel_config(self)
