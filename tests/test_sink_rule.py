@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from fastgen_diffusers.kv_cache.ledger import Eviction, Ledger
 from fastgen_diffusers.kv_cache.masks import build_sdpa_mask
 from fastgen_diffusers.kv_cache.positions import ROPE_POSITION_MODES, anchor_positions
 from fastgen_diffusers.kv_cache.sink import SegmentSinkRule, SinkRule
+from fastgen_diffusers.pipelines.rollout.prompt_switch import recache_keeping_sink
+from fastgen_diffusers.pipelines.rollout.session import RolloutSession
 
 SINK_MODULE = pathlib.Path(__file__).resolve().parents[1] / "fastgen_diffusers" / "kv_cache" / "sink.py"
 LAYOUT = dict(batch_size=1, frame_seqlen=2, num_heads=2, head_dim=4, dtype="float32", device="cpu")
@@ -86,3 +89,58 @@ def test_a_ring_of_fixed_slots_refuses_a_rule_pinning_later_frames():
         Ledger(
             AttentionWindow(6, 1), SegmentSinkRule(1, starts=(0, 6)), ROPE_POSITION_MODES["absolute"], "absolute", True
         )
+
+
+def test_the_ledger_edits_follow_a_segment_rule_or_refuse_it_before_any_change():
+    book = segment_ledger()
+    state = book.state("pos")
+    # a store keeps the start of a chunk holding a later segment's pinned frame (6), so a rewind may go back there
+    assert state.chunk_starts == [0, 2, 6, 8, 10, 12]
+    # a truncation inside the chunk [6, 8) would keep frame 6, whose K/V saw frame 7: refused, nothing changed
+    with pytest.raises(ValueError, match="chunk start"):
+        book.truncate("pos", 7)
+    assert (state.num_frames, state.evicted_before) == (14, 9)
+    assert book.truncate("pos", 6) == (6, 14) and book.held_slots("pos") == [(0, 1)]
+    # a windowed recache and a call under its own window keep the first frames as the sink: refused
+    book = segment_ledger()
+    with pytest.raises(ValueError, match="skip_evicted"):
+        book.skip_evicted("pos", 16)
+    assert (book.state("pos").num_frames, book.state("pos").recaching) == (14, False)
+    with pytest.raises(ValueError, match="attention_window"):
+        book.prefix_frames("pos", 14, 2, AttentionWindow(4, 1))
+    # the prefix rule: a call's own window reads under its sink, a truncation may fall past the first chunk
+    prefix = Ledger(AttentionWindow(6, 1), SinkRule(1), ROPE_POSITION_MODES["anchor"], "anchor", fixed_slots=False)
+    prefix.tags.create("pos", **LAYOUT)
+    for start in range(0, 14, 2):
+        prefix.begin_call("pos", start, 2)
+        prefix.store_window("pos", start, start + 2)
+        prefix.commit_store("pos", start, 2)
+    assert prefix.prefix_frames("pos", 14, 2, AttentionWindow(4, 1)) == [0, 13]
+    assert prefix.truncate("pos", 7) == (7, 14)
+
+
+def test_a_kv_flush_keeps_every_pinned_frame_of_a_segment_rule():
+    book = segment_ledger()
+    dropped = book.flush("pos", 2)
+    # the unpinned frames before the last two drop; frame 6 (a later segment's first frame) stays with frame 0
+    assert dropped == (1, 12) and book.evicted_slot_ranges(*dropped) == [(1, 6), (7, 12)]
+    assert book.held_slots("pos") == [(0, 1), (6, 7), (12, 14)] and book.held_frames("pos") == 4
+    # the first segment starts at frame 0: the window keeps the first frames visible as its sink
+    with pytest.raises(ValueError, match="frame 0"):
+        SegmentSinkRule(1, starts=(3, 8))
+
+
+def test_a_recache_refuses_a_segment_rule_before_any_change():
+    book = segment_ledger()
+    engine = SimpleNamespace(ledger=book, tag_state=book.state)
+    session = SimpleNamespace(
+        transformer=SimpleNamespace(kv_cache_engines={"self": engine}),
+        cache_tags=["pos"],
+        chunks=[object()],
+        prompt_embeds="old",
+    )
+    with pytest.raises(ValueError, match="A recache keeping the sink"):
+        recache_keeping_sink(session, None, "pos")
+    with pytest.raises(ValueError, match="A recache treats"):
+        RolloutSession.switch_prompt(session, "new", recache=True)
+    assert session.prompt_embeds == "old" and book.state("pos").num_frames == 14

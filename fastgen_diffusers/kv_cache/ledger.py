@@ -10,6 +10,7 @@ tensor and imports no torch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,8 +131,12 @@ class Ledger:
         return 0 if state is None else state.rope_offset
 
     def pins(self, attention_window: AttentionWindow | None = None) -> SinkRule:
-        """The sink rule a call reads under: the engine's, or the fixed rule of a call's own window's sink."""
-        return self.sink if attention_window is None else SinkRule(attention_window.sink)
+        """The sink rule a call reads under: the engine's, or the fixed rule of a call's own window's sink (its first
+        frames: ``ValueError`` when the engine's rule pins other frames)."""
+        if attention_window is None:
+            return self.sink
+        self.sink.require_prefix("A call under its own `attention_window`")
+        return SinkRule(attention_window.sink)
 
     def held_visible(
         self,
@@ -419,11 +424,24 @@ class Ledger:
         """Record that frames ``[start_frame, start_frame + num_frames)`` exist, as the chunks ``chunk_layout``."""
         self.tags.record_store(cache_tag, start_frame, num_frames, chunk_layout)
         if self.window.bounded:
-            self.tags[cache_tag].forget_evicted_chunks(self.window.sink)
+            self.tags[cache_tag].forget_evicted_chunks(self.window.sink, self.sink.pinned)
 
     # ------------------------------------------------------------------ edits (return the frames they drop)
     def truncate(self, cache_tag: str, end_frame: int) -> tuple[int, int] | None:
-        """Record that every frame ``>= end_frame`` is gone; the frames dropped, or ``None``."""
+        """Record that every frame ``>= end_frame`` is gone; the frames dropped, or ``None``. Under a rule that is
+        not a prefix, only at a stored chunk start (past the first chunk after the sink, later pinned frames may be
+        held: ``ValueError`` before any change)."""
+        state = self.tags.get(cache_tag)
+        if (
+            not self.sink.prefix
+            and state is not None
+            and end_frame < state.num_frames
+            and end_frame not in state.chunk_starts
+        ):
+            raise ValueError(
+                f"Cannot truncate cache_tag {cache_tag!r} at frame {end_frame}: under {type(self.sink).__name__} a "
+                f"truncation must fall on a stored chunk start, {state.chunk_starts}."
+            )
         if not self.tags.check_truncate(cache_tag, end_frame, self.window.sink):
             return None
         dropped = (end_frame, self.tags[cache_tag].num_frames)
@@ -432,7 +450,8 @@ class Ledger:
 
     def skip_evicted(self, cache_tag: str, resume_frame: int) -> tuple[int, int]:
         """Open a windowed recache (see :meth:`~fastgen_diffusers.kv_cache.BaseKVCacheEngine.skip_evicted`); the
-        non-pinned frames it drops."""
+        non-pinned frames it drops. Needs the prefix sink rule (``ValueError`` before any change)."""
+        self.sink.require_prefix("A windowed recache (`skip_evicted`)")
         state = self.tags[cache_tag]
         if resume_frame < state.num_frames:
             raise ValueError(f"Cannot skip to frame {resume_frame}: cache_tag {cache_tag!r} holds {state.num_frames}.")
@@ -452,18 +471,19 @@ class Ledger:
             state.recaching = False
 
     def flush(self, cache_tag: str, keep_frames: int) -> tuple[int, int] | None:
-        """KV flush: keep only the pinned and the last ``keep_frames`` stored frames; the frames dropped, or
-        ``None``."""
+        """KV flush: keep only the pinned (the sink rule's) and the last ``keep_frames`` stored frames; the range
+        whose unpinned frames drop (an eviction's, :meth:`evicted_slot_ranges`), or ``None``."""
         state = self.tags.get(cache_tag)
         if state is None:
             return None
         if not self.window.bounded:
             raise ValueError("A KV flush keeps the sink and the last frames: it needs an engine with `window_frames`.")
-        before = max(state.num_frames - keep_frames, self.window.sink, state.evicted_before)
+        first = next(f for f in itertools.count() if not self.sink.pinned(f))  # the first frame a flush may drop
+        before = max(state.num_frames - keep_frames, first, state.evicted_before)
         if before <= state.evicted_before:
             return None
         state.evicted_before = state.flushed_before = before
-        return self.window.sink, before
+        return first, before
 
     def set_rope_cut(self, cache_tag: str, position: int | None) -> None:
         if position is not None and not self.positions.keys_before_rope:

@@ -35,6 +35,7 @@ class SinkRule:
 
     anchor: ClassVar[int] = 0  # the frame a KV-cache attention bias spares: the video's first latent frame
     at_front: ClassVar[bool] = True  # the pinned frames are the video's first: a ring of fixed slots keeps them first
+    prefix: ClassVar[bool] = True  # the pinned frames are exactly the first ``frames`` (see :meth:`require_prefix`)
 
     # ------------------------------------------------------------------ which frames
     def pinned(self, frame: int) -> bool:
@@ -69,6 +70,15 @@ class SinkRule:
             return False
         return not window.bounded or self.pinned(key_frame) or key_frame >= chunk_end - window.room
 
+    def require_prefix(self, operation: str) -> None:
+        """``ValueError`` unless the pinned frames are the video's first ``frames`` (:attr:`prefix`): ``operation``
+        keeps or drops "the sink" as the first frames, which a rule pinning other frames would get wrong."""
+        if not self.prefix:
+            raise ValueError(
+                f"{operation} treats the pinned frames as the video's first ones: it needs the prefix rule SinkRule, "
+                f"got {self!r}."
+            )
+
     # ------------------------------------------------------------------ how they are updated
     def fold(self, first: int, last: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
         """Where the evicted frames ``[first, last)`` go: ``(pinned frames, evicted frames)`` ranges the EMA blends
@@ -83,12 +93,15 @@ class SegmentSinkRule(SinkRule):
     """Pins the first ``frames`` frames of every segment (e.g. prompt segment) starting at a frame of ``starts``.
 
     Fixed only (the EMA fold blends the frames at the front of the video), and only over a storage without fixed
-    slots (a ring keeps its pinned frames first).
+    slots (a ring keeps its pinned frames first). Not a prefix (:meth:`SinkRule.require_prefix`): a call under its
+    own attention window, a windowed recache and a recache keeping the sink refuse it; a truncation must fall on a
+    stored chunk start.
     """
 
     starts: tuple[int, ...] = (0,)
 
     at_front: ClassVar[bool] = False
+    prefix: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         starts = self.starts
@@ -100,6 +113,8 @@ class SegmentSinkRule(SinkRule):
             )
         if self.update != "fixed":
             raise ValueError(f"`update` of a SegmentSinkRule must be 'fixed', got {self.update!r}.")
+        if starts and starts[0] != 0:  # the window shows its first `sink` frames as the sink (AttentionWindow.visible)
+            raise ValueError(f"`starts` of a SegmentSinkRule must begin at frame 0, got {starts!r}.")
 
     def pinned(self, frame: int) -> bool:
         return any(start <= frame < start + self.frames for start in self.starts)

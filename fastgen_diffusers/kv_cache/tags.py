@@ -8,7 +8,7 @@ boundaries; the storage only holds tensors. Torch-free, like the ledger.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,17 +49,20 @@ class TagState:
     def copy(self) -> TagState:
         return dataclasses.replace(self, chunk_starts=list(self.chunk_starts))
 
-    def forget_evicted_chunks(self, sink_frames: int) -> None:
+    def forget_evicted_chunks(self, sink_frames: int, pinned: Callable[[int], bool] | None = None) -> None:
         """Drop the starts of the chunks a window has evicted whole, so that a long windowed stream keeps
         O(window) of them: no call can start there any more, and a truncation there cuts no held chunk
-        (:meth:`truncatable`). Kept: the sink's chunks, the first start after the sink (where a recache truncates),
-        and the chunks from the one holding ``evicted_before`` on."""
+        (:meth:`truncatable`). Kept: the sink's chunks, the chunks starting at a frame ``pinned`` says is pinned (a
+        sink rule's later pinned frames), the first start after the sink (where a recache truncates), and the chunks
+        from the one holding ``evicted_before`` on."""
         if self.evicted_before <= sink_frames:
             return
         starts = self.chunk_starts
         after_sink = next((s for s in starts if s >= sink_frames), None)
         held_from = max((s for s in starts if s <= self.evicted_before), default=0)
-        self.chunk_starts = [s for s in starts if s < sink_frames or s == after_sink or s >= held_from]
+        self.chunk_starts = [
+            s for s in starts if s < sink_frames or s == after_sink or s >= held_from or (pinned and pinned(s))
+        ]
 
     def truncatable(self, end_frame: int, sink_frames: int) -> bool:
         """Whether a truncation at ``end_frame`` leaves no held frame whose K/V saw a dropped frame: at a stored chunk

@@ -62,6 +62,15 @@ def set_rope_cut(session: Any, position: int | None) -> None:
             engine.set_rope_cut(cache_tag, position)
 
 
+def require_prefix_sinks(session: Any, cache_tag: str, operation: str) -> None:
+    """``ValueError`` (before any change) unless every engine holding ``cache_tag`` pins the video's first frames
+    (:meth:`~fastgen_diffusers.kv_cache.sink.SinkRule.require_prefix`): ``operation`` keeps "the sink" as the first
+    frames."""
+    for engine in session.transformer.kv_cache_engines.values():
+        if engine.tag_state(cache_tag) is not None:
+            engine.ledger.sink.require_prefix(operation)
+
+
 def recache_keeping_sink(session: Any, timestep: torch.Tensor, cache_tag: str) -> None:
     """LongLive's recache with ``global_sink: true``: re-run the last ``window - sink`` frames under the new prompt
     in one forward (one chunk: every frame sees the others and the sink), whose K/V from the old prompt stay. When
@@ -71,7 +80,9 @@ def recache_keeping_sink(session: Any, timestep: torch.Tensor, cache_tag: str) -
     The forward attends as one chunk, but the engines record the rollout's chunk boundaries for the re-run frames
     (the mask layout is not the stored one): the next switch's recache, within ``window - sink`` frames of this one,
     truncates at one of them (inside this forward's frames) as LongLive's does; the frames kept before it are the
-    sink's, whose K/V (from this forward, when it started at frame 0) stay as the sink rule says."""
+    sink's, whose K/V (from this forward, when it started at frame 0) stay as the sink rule says.
+    Needs the prefix sink rule ([`require_prefix_sinks`])."""
+    require_prefix_sinks(session, cache_tag, "A recache keeping the sink")
     engine = next(e for e in session.transformer.kv_cache_engines.values() if e.tag_state(cache_tag) is not None)
     end = session.num_latent_frames
     # LongLive re-runs frames [end - window, end) into the window's slots and skips the sink's slots when it starts

@@ -17,7 +17,14 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ...chunking import ChunkSpan
 from .conditioning import Conditioner
-from .prompt_switch import ROPE_CUT_POSITION, PromptSwitchRule, flush_caches, recache_keeping_sink, set_rope_cut
+from .prompt_switch import (
+    ROPE_CUT_POSITION,
+    PromptSwitchRule,
+    flush_caches,
+    recache_keeping_sink,
+    require_prefix_sinks,
+    set_rope_cut,
+)
 from .records import ChunkRecord
 
 MAIN_BRANCH = "main"
@@ -308,8 +315,10 @@ class RolloutSession:
         an attention window, one forward each; under a window only the chunks the window still holds (the sink's
         and the most recent ones, [`recache_chunks`]), so a switch costs O(window) forwards, not O(video).
         """
-        self.prompt_embeds = prompt_embeds
         cache_tag = self.cache_tags[0]
+        if recache and self.chunks:  # it keeps or re-runs the first frames as the sink: refused before any change
+            require_prefix_sinks(self, cache_tag, "A recache")
+        self.prompt_embeds = prompt_embeds
         for engine in self.transformer.kv_cache_engines.values():
             engine.invalidate_cross(cache_tag)
         if self.switch_rule.kv_flush:
@@ -360,7 +369,9 @@ class RolloutSession:
 
     def _held_from(self) -> tuple[int, int] | None:
         """``(sink, evicted_before)`` of the conditional tag when its window has evicted frames past the sink (the
-        non-sink frames before ``evicted_before`` are gone); ``None`` when it still holds every stored frame."""
+        non-sink frames before ``evicted_before`` are gone); ``None`` when it still holds every stored frame. The
+        sink is the first frames: only a recache reads this as which chunks to keep, and it refuses another sink
+        rule ([`require_prefix_sinks`])."""
         cache_tag = self.cache_tags[0]
         sink, evicted_before = 0, 0
         for engine in self.transformer.kv_cache_engines.values():
