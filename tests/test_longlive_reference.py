@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from recorded_sampler import RecordedSampler, model_layout
 from safetensors.torch import load_file
 
 from fastgen_diffusers import WanCausalTransformer3DModel
@@ -28,9 +29,9 @@ PARITY = 1e-5
 WINDOW, SINK, CHUNK = 12, 3, 3
 
 
-def model_layout(x: torch.Tensor) -> torch.Tensor:
-    """``[B, F, C, H, W]`` (LongLive's layout) to ``[B, C, F, H, W]`` and back (the permutation is its own inverse)."""
-    return x.permute(0, 2, 1, 3, 4)
+def longlive_renoise_key(chunk: int, index: int, steps: int) -> str:
+    """LongLive records a draw after every step but a chunk's last: ``renoise{steps * chunk + index}``."""
+    return f"renoise{steps * chunk + index:02d}"
 
 
 @pytest.fixture(scope="module")
@@ -127,35 +128,6 @@ def test_longlive_calls_replay_through_a_recache_keeping_the_sink(longlive, kind
     assert worst_rerun > 1e-3, worst_rerun
 
 
-class RecordedLongLiveSampler:
-    """LongLive's sampler as the pipeline's scheduler: timesteps as given, ``x0 = x - sigma * v`` in float64 with the
-    recorded sigma of each timestep, and the re-noise after step ``i`` of chunk ``c`` the recorded draw
-    ``renoise{3c + i}`` (LongLive draws them with ``torch.randn_like`` in its ``[B, F, C, H, W]`` layout). Chunks are
-    counted by ``set_timesteps``."""
-
-    def __init__(self, scheduler, meta, inputs):
-        self.config, self.shift, self.order = scheduler.config, scheduler.shift, 1
-        self.sigma_of = {float(t): sigma for t, sigma in meta["sigmas"].items()}
-        self.inputs, self.chunk = inputs, -1
-
-    def set_timesteps(self, timesteps=None, device=None, **_):
-        self.chunk, self.index = self.chunk + 1, 0
-        self.timesteps = torch.tensor(timesteps, dtype=torch.float32)
-
-    def set_begin_index(self, index):
-        self.index = index
-
-    def step(self, flow, t, x, generator=None, return_dict=False):
-        x0 = (x.double() - self.sigma_of[float(t)] * flow.double()).float()
-        if self.index + 1 < len(self.timesteps):
-            sigma = self.sigma_of[float(self.timesteps[self.index + 1])]
-            steps = len(self.timesteps) - 1
-            eps = self.inputs[f"renoise{steps * self.chunk + self.index:02d}"]
-            x0 = (1 - sigma) * x0 + sigma * model_layout(eps)
-        self.index += 1
-        return (x0,)
-
-
 @torch.no_grad()
 def longlive_free_run(longlive, **policy):
     """The recorded rollout through ``WanCausalPipeline(...)`` (window 12, sink 3, prompts a, b from latent frame 6,
@@ -168,7 +140,9 @@ def longlive_free_run(longlive, **policy):
     meta, inputs, outputs = longlive
     transformer = WanCausalTransformer3DModel.from_pretrained(DATA / "transformer", chunk_size=CHUNK).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0, stochastic_sampling=True)
-    pipe = WanCausalPipeline(None, None, None, RecordedLongLiveSampler(scheduler, meta, inputs), transformer)
+    pipe = WanCausalPipeline(
+        None, None, None, RecordedSampler(scheduler, meta, inputs, longlive_renoise_key), transformer
+    )
     pipe.set_progress_bar_config(disable=True)
     calls, forward = [], transformer.forward
 

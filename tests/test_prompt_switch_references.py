@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from recorded_sampler import RecordedSampler, model_layout
 from safetensors.torch import load_file
 
 from fastgen_diffusers import WanCausalTransformer3DModel
@@ -25,9 +26,9 @@ INFINITY = DATA / "infinity_rope_tiny"
 PARITY = 1e-5
 
 
-def model_layout(x: torch.Tensor) -> torch.Tensor:
-    """``[B, F, C, H, W]`` (the upstream pipelines' layout) to ``[B, C, F, H, W]``."""
-    return x.permute(0, 2, 1, 3, 4)
+def infinity_renoise_key(chunk: int, index: int, steps: int) -> str:
+    """Infinity-RoPE records one draw per chunk: ``renoise{chunk}``."""
+    return f"renoise{chunk:02d}"
 
 
 @pytest.fixture(scope="module")
@@ -104,32 +105,6 @@ def test_infinity_rope_calls_replay_through_flush_and_cut(infinity, kind):
     assert worst_cut_missing > 1e-3, worst_cut_missing
 
 
-class RecordedInfinitySampler:
-    """Upstream's sampler as the pipeline's scheduler: timesteps as given, ``x0 = x - sigma * v`` in float64 with the
-    recorded sigma of each timestep, and chunk ``c``'s re-noise eps the recorded draw ``renoise{c}`` (upstream draws
-    them with ``torch.randn_like`` in its ``[B, F, C, H, W]`` layout). Chunks are counted by ``set_timesteps``."""
-
-    def __init__(self, scheduler, meta, inputs):
-        self.config, self.shift, self.order = scheduler.config, scheduler.shift, 1
-        self.sigma_of = {float(t): sigma for t, sigma in meta["sigmas"].items()}
-        self.inputs, self.chunk = inputs, -1
-
-    def set_timesteps(self, timesteps=None, device=None, **_):
-        self.chunk, self.index = self.chunk + 1, 0
-        self.timesteps = torch.tensor(timesteps, dtype=torch.float32)
-
-    def set_begin_index(self, index):
-        self.index = index
-
-    def step(self, flow, t, x, generator=None, return_dict=False):
-        x0 = (x.double() - self.sigma_of[float(t)] * flow.double()).float()
-        if self.index + 1 < len(self.timesteps):
-            sigma = self.sigma_of[float(self.timesteps[self.index + 1])]
-            x0 = (1 - sigma) * x0 + sigma * model_layout(self.inputs[f"renoise{self.chunk:02d}"])
-        self.index += 1
-        return (x0,)
-
-
 @torch.no_grad()
 def infinity_free_run(infinity, **policy):
     """The recorded three-scene rollout through ``WanCausalPipeline(...)`` (window 6, sink 1, window positions) with
@@ -141,7 +116,9 @@ def infinity_free_run(infinity, **policy):
     meta, inputs, outputs = infinity
     transformer = WanCausalTransformer3DModel.from_pretrained(INFINITY / "transformer", chunk_size=3).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0, stochastic_sampling=True)
-    pipe = WanCausalPipeline(None, None, None, RecordedInfinitySampler(scheduler, meta, inputs), transformer)
+    pipe = WanCausalPipeline(
+        None, None, None, RecordedSampler(scheduler, meta, inputs, infinity_renoise_key), transformer
+    )
     pipe.set_progress_bar_config(disable=True)
     noise = torch.cat([outputs[f"call{3 * c:02d}.hidden_states"] for c in range(5)], dim=1)
     calls, forward = [], transformer.forward
