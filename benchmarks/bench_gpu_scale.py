@@ -53,6 +53,7 @@ from fastgen_diffusers import WanCausalTransformer3DModel, expected_self_cache_b
 from fastgen_diffusers.chunking import ChunkPlan
 from fastgen_diffusers.convert.formats import warp_timesteps
 from fastgen_diffusers.kv_cache import expected_scale_bytes
+from fastgen_diffusers.memory_plan import WAN_1_3B
 from fastgen_diffusers.pipelines.rollout.conditioning import Conditioner
 from fastgen_diffusers.pipelines.rollout.core import CausalRolloutMixin
 from fastgen_diffusers.pipelines.rollout.policy import SequentialPolicy
@@ -62,17 +63,6 @@ from fastgen_diffusers.pipelines.rollout.session import RolloutSession
 from fastgen_diffusers.pipelines.rollout.sources import NoiseSource
 from fastgen_diffusers.testing import PolicyHost
 
-WAN_1_3B = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 12,
-    "attention_head_dim": 128,
-    "in_channels": 16,
-    "out_channels": 16,
-    "text_dim": 4096,
-    "freq_dim": 256,
-    "ffn_dim": 8960,
-    "num_layers": 30,
-}
 TINY = {**WAN_1_3B, "num_attention_heads": 2, "attention_head_dim": 32, "ffn_dim": 64, "num_layers": 2}
 STEPS = (1000.0, 937.5, 833.3, 625.0)
 CHUNK = 3  # latent frames per chunk
