@@ -1,5 +1,5 @@
 """Set-up shared by the benchmark scripts (not a benchmark): the mid-size random transformer that the engine, cache
-and 8-bit benchmarks time, and the calls of one chunk.
+and 8-bit benchmarks time, the calls of one chunk, and `section` (a failing row is one line).
 
 The scripts import it as a sibling (``python benchmarks/bench_x.py`` puts this folder on ``sys.path``; the smoke tests
 load them with ``tests/bench_loader.py``, which does the same).
@@ -40,3 +40,12 @@ def run_chunk(model, latents: torch.Tensor, text: torch.Tensor, start: int) -> N
     for step in STEPS:
         model(latents, torch.full((1,), step, device=device), text, start_frame=start)
     model(latents, torch.zeros(1, device=device), text, start_frame=start, store_kv=True)
+
+
+def section(name: str, fn, *args) -> None:
+    """Run one section of a benchmark; a failure is one line and the script goes on."""
+    try:
+        fn(*args)
+    except Exception as error:  # noqa: BLE001  (a benchmark reports and continues)
+        message = " ".join(str(error).split())[:300]
+        print(f"[{name}] FAILED: {type(error).__name__}: {message}", flush=True)

@@ -36,6 +36,7 @@ import statistics
 import time
 
 import torch
+from _common import section
 from accelerate import init_empty_weights
 from diffusers import AutoencoderKLWan
 from transformers import UMT5Config, UMT5EncoderModel
@@ -228,15 +229,6 @@ def describe(label: str, runs: list[dict], device: torch.device, plan_total: int
     if peak is not None:
         line += f"; peak {peak / GIB:.2f} GiB vs plan {plan_total / GIB:.2f} GiB (ratio {peak / plan_total:.2f})"
     return line
-
-
-def section(name: str, fn, *args) -> None:
-    """Run one row; a failure is one line and the script goes on."""
-    try:
-        fn(*args)
-    except Exception as error:  # noqa: BLE001  (a benchmark reports and continues)
-        message = " ".join(str(error).split())[:300]
-        print(f"[{name}] FAILED: {type(error).__name__}: {message}", flush=True)
 
 
 @torch.no_grad()

@@ -48,6 +48,7 @@ import statistics
 import time
 
 import torch
+from _common import section
 
 from fastgen_diffusers import WanCausalTransformer3DModel, expected_self_cache_bytes, make_engines
 from fastgen_diffusers.chunking import ChunkPlan
@@ -97,15 +98,6 @@ def rollout(model, latents, prompt, chunk: int, device, mark_steps: bool = False
         synchronize(device)
         times.append(time.perf_counter() - begin)
     return times, torch.cat(outputs, dim=2)
-
-
-def section(name: str, fn, *args) -> None:
-    """Run one section; a failure is one line and the script goes on."""
-    try:
-        fn(*args)
-    except Exception as error:  # noqa: BLE001  (a benchmark reports and continues)
-        message = " ".join(str(error).split())[:300]
-        print(f"[{name}] FAILED: {type(error).__name__}: {message}", flush=True)
 
 
 def graph_count() -> int:
