@@ -124,6 +124,11 @@ class SettingsValue:
     @classmethod
     def from_dict(cls: type[Value], data: Mapping[str, Any]) -> Value:
         """The value that [`to_dict`] wrote; ``ValueError`` for another version or an unknown key."""
+        return cls(**{name: _unjson(value) for name, value in cls._checked_dict(data).items()})
+
+    @classmethod
+    def _checked_dict(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """``data`` without its ``"version"``; ``ValueError`` for another version or a key that is no field."""
         data = dict(data)
         version = data.pop("version", SETTINGS_VERSION)
         if version != SETTINGS_VERSION:
@@ -131,7 +136,7 @@ class SettingsValue:
         unknown = sorted(set(data) - set(cls.field_names()))
         if unknown:
             raise ValueError(f"{cls.__name__} has no setting {unknown}; accepted: {cls.field_names()}.")
-        return cls(**{name: _unjson(value) for name, value in data.items()})
+        return data
 
 
 def _json(value: Any) -> Any:

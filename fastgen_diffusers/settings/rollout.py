@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .base import SETTINGS_VERSION, SettingsValue, check_bool, setting
+from .base import SettingsValue, check_bool, setting
 from .cache import DEFAULT_SINK_DECAY, CacheSettings, check_recache_keeps_sink, check_rope_table, merge_cache
 from .policies import POLICIES, PolicySettings, SequentialSettings, option_owner, policy_from_dict, policy_settings
 from .prompts import PromptSchedule
@@ -324,13 +324,7 @@ class RolloutSettings(SettingsValue):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RolloutSettings:
-        data = dict(data)
-        version = data.pop("version", SETTINGS_VERSION)
-        if version != SETTINGS_VERSION:
-            raise ValueError(f"`version` must be {SETTINGS_VERSION} (this package's settings), got {version!r}.")
-        unknown = sorted(set(data) - set(cls.field_names()))
-        if unknown:
-            raise ValueError(f"RolloutSettings has no setting {unknown}; accepted: {cls.field_names()}.")
+        data = cls._checked_dict(data)
         policy = data.get("policy")
         return cls(
             sampling=SamplingSettings.from_dict(data.get("sampling", {})),
