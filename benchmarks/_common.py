@@ -1,5 +1,6 @@
 """Set-up shared by the benchmark scripts (not a benchmark): the mid-size random transformer that the engine, cache
-and 8-bit benchmarks time, the calls of one chunk, and `section` (a failing row is one line).
+and 8-bit benchmarks time, the calls of one chunk, `section` (a failing row is one line), torchao's configs of the
+``--weights`` choices and the bytes a (quantized) model holds.
 
 The scripts import it as a sibling (``python benchmarks/bench_x.py`` puts this folder on ``sys.path``; the smoke tests
 load them with ``tests/bench_loader.py``, which does the same).
@@ -49,3 +50,32 @@ def section(name: str, fn, *args) -> None:
     except Exception as error:  # noqa: BLE001  (a benchmark reports and continues)
         message = " ".join(str(error).split())[:300]
         print(f"[{name}] FAILED: {type(error).__name__}: {message}", flush=True)
+
+
+WEIGHTS = ("compute", "float8", "int8")
+
+
+def quantization_config(weights: str, device: torch.device):
+    """torchao's config for ``--weights`` (``None`` for the compute dtype), the one diffusers' ``TorchAoConfig`` takes:
+    float8 dynamic activation + weight per row, or int8 weight-only. FP8 matmuls need compute capability 8.9 (Ada) or
+    newer: anything else is refused before any weight is built."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"`--weights` must be one of {', '.join(WEIGHTS)}, got {weights!r}.")
+    if weights == "compute":
+        return None
+    if weights == "float8" and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
+        raise ValueError("`--weights float8` needs a CUDA device of compute capability >= 8.9 (Ada, Hopper or newer).")
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, Int8WeightOnlyConfig, PerRow
+
+    if weights == "float8":
+        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    return Int8WeightOnlyConfig()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters; a torchao-quantized one counts its inner tensors (data, scales, zeros)."""
+    held = 0
+    for param in model.parameters():
+        names = param.__tensor_flatten__()[0] if type(param).__module__.startswith("torchao") else None
+        held += sum(getattr(param, n).nbytes for n in names) if names else param.numel() * param.element_size()
+    return held

@@ -4,13 +4,16 @@ Every figure counts, for one video of ``--num-frames`` frames from a text prompt
 
 * **text**: tokenizing and encoding the prompt (UMT5; offloaded: held on the CPU, each layer streamed to the GPU
   while it runs, diffusers' ``apply_group_offloading(offload_type="leaf_level", use_stream=True)``);
-* **denoise**: every chunk's denoising steps and its cache pass (``pipe.stream(..., output_type="latent")``, the time
-  between the chunks it yields), per chunk and in total;
+* **denoise**: every chunk's denoising steps and its cache pass (``pipe.stream(..., output_type="latent")``), per
+  chunk (from the previous chunk's end on the main stream to this chunk's) and in total;
 * **decode**: every chunk's streamed decode to pixels in [-1, 1] (the Wan VAE through ``StreamingWanDecoder``, the tiny
-  decoder ``AutoencoderTinyWan.decode_chunk``), per chunk and in total, run after the chunk's denoising
-  (serial rows);
-* **total**: text + denoise + decode, from the prompt to the last frame; frames/s = pixel frames / total; time to the
-  first frame = text + the first chunk's denoise + its decode; per-chunk latency = a chunk's denoise + its decode;
+  decoder through ``StreamingTinyWanDecoder``), per chunk (its own span) and in total. **Serial** rows decode each
+  chunk after its denoising and before the next chunk's; **overlapped** rows (CUDA) queue each chunk's decode on its
+  own stream (``OverlappedDecoder``, what ``pipe.enable_decode_overlap()`` does in ``__call__``) while the next chunk
+  denoises, so there the stages add up to more than the total;
+* **total**: from the prompt to the last frame; frames/s = pixel frames / total; time to the first frame = text + the
+  time until the first chunk's frames are decoded; per-chunk latency = the time from one chunk's frames to the next
+  chunk's (the first: from the start of denoising). Spans are read on the device's timeline (CUDA events on a GPU);
 * **peak** (CUDA): ``torch.cuda.max_memory_allocated`` over the timed run, against the plan's total
   (:func:`fastgen_diffusers.memory_plan.plan_rollout_memory`, printed before anything is built).
 
@@ -36,15 +39,16 @@ import statistics
 import time
 
 import torch
-from _common import section
+from _common import WEIGHTS, quantization_config, section
 from accelerate import init_empty_weights
 from diffusers import AutoencoderKLWan
 from transformers import UMT5Config, UMT5EncoderModel
 
 from fastgen_diffusers import WanCausalPipeline, WanCausalTransformer3DModel
 from fastgen_diffusers.memory_plan import GIB, UMT5_XXL, WAN_1_3B, WAN_14B, plan_rollout_memory
-from fastgen_diffusers.models.autoencoder_tiny_wan import AutoencoderTinyWan, TinyWanStreamState
-from fastgen_diffusers.pipelines.video_io.streaming_decode import StreamingWanDecoder
+from fastgen_diffusers.models.autoencoder_tiny_wan import AutoencoderTinyWan
+from fastgen_diffusers.pipelines.video_io.autoencoders import streaming_decoder
+from fastgen_diffusers.pipelines.video_io.decode_overlap import OverlappedDecoder
 from fastgen_diffusers.testing import tiny_scheduler, tiny_tokenizer
 
 PROMPT = "a cat walks on the grass, realistic"
@@ -70,7 +74,6 @@ SCALES = {
     "14b": (WAN_14B, UMT5_XXL, {}, 480, 832, 81),
 }  # fmt: skip
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-WEIGHTS = ("compute", "float8", "int8")
 
 
 def synchronize(device: torch.device) -> None:
@@ -101,20 +104,6 @@ def materialize(module: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     module.to(device)  # buffers
 
 
-def quantization_config(weights: str, device: torch.device):
-    """torchao's config for ``--weights`` (``None`` for the compute dtype). FP8 matmuls need compute capability 8.9
-    (Ada) or newer: anything else is refused before the weights are built."""
-    if weights == "compute":
-        return None
-    if weights == "float8" and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
-        raise ValueError("`--weights float8` needs a CUDA device of compute capability >= 8.9 (Ada, Hopper or newer).")
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, Int8WeightOnlyConfig, PerRow
-
-    if weights == "float8":
-        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
-    return Int8WeightOnlyConfig()
-
-
 def build_pipeline(args, device: torch.device, dtype: torch.dtype, quantize) -> WanCausalPipeline:
     transformer_config, text_config, vae_config, *_ = SCALES[args.scale]
     tokenizer = tiny_tokenizer()
@@ -141,69 +130,80 @@ def build_pipeline(args, device: torch.device, dtype: torch.dtype, quantize) -> 
     return pipe
 
 
-class TinyStream:
-    """The tiny decoder's stream as a context manager with ``decode(latents)`` (``StreamingWanDecoder``'s surface)."""
-
-    def __init__(self, decoder: AutoencoderTinyWan) -> None:
-        self.decoder, self.state = decoder, TinyWanStreamState()
-
-    def __enter__(self) -> TinyStream:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.state = None
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.decoder.decode_chunk(latents, self.state)
-
-
-def stream_decoder(pipe: WanCausalPipeline, tiny, kind: str):
-    """A context manager whose value decodes the next latent chunk to pixels (``kind``: ``"wan"`` or ``"tiny"``)."""
-    return StreamingWanDecoder(pipe.vae) if kind == "wan" else TinyStream(tiny)
-
-
 def encode_text(pipe: WanCausalPipeline, device: torch.device) -> torch.Tensor:
     """Prompt embeds on ``device`` (an offloaded encoder's layers visit the device through its offloading hooks)."""
     return pipe.encode_prompt(PROMPT, do_classifier_free_guidance=False, max_sequence_length=512, device=device)[0]
 
 
-def run_serial(pipe, tiny, args, device, dtype, kind: str) -> dict:
-    """One end-to-end run: text, then every chunk's denoising + cache pass followed by its decode."""
+class Clock:
+    """Time marks on the device's timeline: CUDA events (recorded on a stream, read after a synchronize) on a GPU,
+    ``time.perf_counter()`` elsewhere (where every stage runs in order on the host)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self, stream=None):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def seconds(self, begin, end) -> float:
+        return begin.elapsed_time(end) / 1000 if self.cuda else end - begin
+
+
+def run_once(pipe, tiny, args, device, dtype, kind: str, overlap: bool) -> dict:
+    """One end-to-end run: text, then every chunk's denoising + cache pass and its decode.
+
+    Serial (``overlap=False``): each chunk's decode runs after its denoising, before the next chunk's. Overlapped: each
+    chunk's decode is queued on its own CUDA stream ([`OverlappedDecoder`]) as soon as the chunk is done, and the next
+    chunk denoises meanwhile (on a CPU the decode runs at once: the serial order). Per chunk: ``denoise`` (from the
+    previous chunk's end on the main stream to this one's), ``decode`` (the decode's own span on its stream) and
+    ``ready`` (from the start of denoising to the chunk's last frame), all on the device's timeline.
+    """
     _, _, _, height, width, num_frames = SCALES[args.scale]
     height, width, num_frames = args.height or height, args.width or width, args.num_frames or num_frames
     policy = {}
     if args.policy == "recompute":
         policy = {"kv_cache_policy": "recompute", "context_frames": 3, "keep_first_frame": True}
+    clock = Clock(device)
     synchronize(device)
     begin = time.perf_counter()
     embeds = encode_text(pipe, device)
     synchronize(device)
     text = time.perf_counter() - begin
-    denoise, decode, frames = [], [], 0
-    first_frame = None
-    last = time.perf_counter()
-    with stream_decoder(pipe, tiny, kind) as decoder:
+    marks, frames = [], 0  # per chunk: (denoised, decode start, decode end)
+    start = clock.mark()
+    with streaming_decoder(pipe.vae if kind == "wan" else tiny) as decoder:
+        decoding = OverlappedDecoder(decoder, device if overlap else torch.device("cpu"))
+        side = decoding.stream  # None: the decode runs on the current stream, at once
         stream = pipe.stream(
             prompt_embeds=embeds.to(dtype), height=height, width=width, num_frames=num_frames, timesteps=TIMESTEPS,
             output_type="latent", generator=torch.Generator().manual_seed(0), **policy,
         )  # fmt: skip
+        pending = []
         for record in stream:
-            synchronize(device)
-            now = time.perf_counter()
-            denoise.append(now - last)
-            pixels = decoder.decode(record.latents.to(dtype))
-            synchronize(device)
-            last = time.perf_counter()
-            decode.append(last - now)
-            frames += pixels.shape[2]
-            if first_frame is None:
-                first_frame = last - begin
+            latents = record.latents.to(dtype)
+            denoised = clock.mark()
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream(device))
+            decode_start = clock.mark(side)
+            pending.append(decoding.submit(latents))
+            marks.append((denoised, decode_start, clock.mark(side)))
+        pixels = [chunk.frames() for chunk in pending]
+        synchronize(device)
+    total = time.perf_counter() - begin
+    frames = sum(p.shape[2] for p in pixels)
+    # a chunk denoises from the previous chunk's end on the main stream: its decode's end when serial
+    ends = [start] + [denoised if side is not None else end for denoised, _, end in marks]
     return {
         "text": text,
-        "denoise": denoise,
-        "decode": decode,
-        "total": last - begin,
-        "first_frame": first_frame,
+        "denoise": [clock.seconds(a, b) for a, b in zip(ends, ends[1:])],
+        "decode": [clock.seconds(a, b) for _, a, b in marks],
+        "ready": [clock.seconds(start, end) for _, _, end in marks],
+        "total": total,
+        "first_frame": text + clock.seconds(start, marks[0][2]),
         "frames": frames,
     }
 
@@ -218,13 +218,14 @@ def describe(label: str, runs: list[dict], device: torch.device, plan_total: int
     first = median(r["first_frame"] for r in runs)
     stages = text + denoise + decode  # the stages' medians may come from different runs: shares of their sum
     run = runs[len(runs) // 2]
-    latency = [a + b for a, b in zip(run["denoise"], run["decode"])]
+    ready = run["ready"]
+    latency = [b - a for a, b in zip([0.0, *ready], ready)]  # each chunk's frames after the previous chunk's
     line = (
         f"[{label}] {run['frames']} frames in {total:.3f} s = {run['frames'] / total:.2f} frames/s; first frame after "
-        f"{first:.3f} s; per chunk (denoise + decode) first {latency[0]:.3f} s, median {median(latency):.3f} s, "
-        f"max {max(latency):.3f} s; text {text:.3f} s, denoise {denoise:.3f} s ({len(run['denoise'])} chunks), "
-        f"decode {decode:.3f} s; shares: text {100 * text / stages:.1f}%, denoise {100 * denoise / stages:.1f}%, "
-        f"decode {100 * decode / stages:.1f}% (median of {len(runs)})"
+        f"{first:.3f} s; per chunk (frames after the previous chunk's) first {latency[0]:.3f} s, median "
+        f"{median(latency):.3f} s, max {max(latency):.3f} s; text {text:.3f} s, denoise {denoise:.3f} s "
+        f"({len(run['denoise'])} chunks), decode {decode:.3f} s; shares: text {100 * text / stages:.1f}%, denoise "
+        f"{100 * denoise / stages:.1f}%, decode {100 * decode / stages:.1f}% (median of {len(runs)})"
     )
     if peak is not None:
         line += f"; peak {peak / GIB:.2f} GiB vs plan {plan_total / GIB:.2f} GiB (ratio {peak / plan_total:.2f})"
@@ -249,6 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row")
     parser.add_argument("--warmups", type=int, default=1, help="untimed runs per row first")
     parser.add_argument("--decoders", default="wan,tiny", help="rows to run: wan, tiny")
+    parser.add_argument(
+        "--modes", default=None, help="serial, overlapped (default: both on CUDA; serial elsewhere, where they agree)"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     args.scale = args.scale or ("1.3b" if device.type == "cuda" else "small")
@@ -262,6 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     kinds = args.decoders.split(",")
     if not kinds or set(kinds) - {"wan", "tiny"}:
         raise ValueError(f"`--decoders` must name `wan` and/or `tiny`, got {args.decoders!r}.")
+    modes = (args.modes or ("serial,overlapped" if device.type == "cuda" else "serial")).split(",")
+    if not modes or set(modes) - {"serial", "overlapped"}:
+        raise ValueError(f"`--modes` must name `serial` and/or `overlapped`, got {args.modes!r}.")
 
     name = str(dtype).removeprefix("torch.")
     weight_dtype = {"compute": name, "float8": "float8_e4m3fn", "int8": "int8"}[args.weights]
@@ -294,18 +301,20 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
 
-    def row(kind: str) -> None:
+    def row(kind: str, mode: str) -> None:
+        overlap = mode == "overlapped"
         for _ in range(args.warmups):
-            run_serial(pipe, tiny, args, device, dtype, kind)
+            run_once(pipe, tiny, args, device, dtype, kind, overlap)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        runs = [run_serial(pipe, tiny, args, device, dtype, kind) for _ in range(args.repeats)]
+        runs = [run_once(pipe, tiny, args, device, dtype, kind, overlap) for _ in range(args.repeats)]
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        label = {"wan": "wan vae, serial", "tiny": "tiny decoder, serial"}[kind]
+        label = f"{'wan vae' if kind == 'wan' else 'tiny decoder'}, {mode}"
         print(describe(label, runs, device, plan.total, peak), flush=True)
 
     for kind in kinds:
-        section(kind, row, kind)
+        for mode in modes:
+            section(f"{kind}, {mode}", row, kind, mode)
 
 
 if __name__ == "__main__":

@@ -270,9 +270,11 @@ def chunk_plan(host: PolicyHost, chunks: int, steps: int, timesteps=None) -> Chu
     return ChunkPlan.from_bounds([(CHUNK * b, CHUNK * (b + 1)) for b in range(chunks)], schedule)
 
 
-def policy_rollout(scale: Scale, policy, plan: ChunkPlan, noise: torch.Tensor) -> tuple[list[float], dict[str, int]]:
-    """Seconds between the chunks a policy yields (the first from the start) and its forwards (denoising, cache,
-    latent frames carried), on a fresh cache."""
+def policy_rollout(
+    scale: Scale, policy, plan: ChunkPlan, noise: torch.Tensor
+) -> tuple[list[float], dict[str, int], list[torch.Tensor]]:
+    """Seconds between the chunks a policy yields (the first from the start), its forwards (denoising, cache, latent
+    frames carried) and the latents of the chunks it yields, on a fresh cache."""
     model, device = scale.model, scale.device
     counts = {"denoise": 0, "store": 0, "frames": 0}
     forward = model.forward
@@ -288,18 +290,19 @@ def policy_rollout(scale: Scale, policy, plan: ChunkPlan, noise: torch.Tensor) -
     )  # fmt: skip
     model.clear_caches()
     model.forward = counting
-    times = []
+    times, chunks = [], []
     try:
         synchronize(device)
         last = time.perf_counter()
-        for _ in policy.run(PolicyHost(), session, plan, NoiseSource(noise)):
+        for record in policy.run(PolicyHost(), session, plan, NoiseSource(noise)):
             synchronize(device)
             now = time.perf_counter()
             times.append(now - last)
+            chunks.append(record.latents)
             last = now
     finally:
         del model.forward
-    return times, counts
+    return times, counts, chunks
 
 
 def recompute_part(scale: Scale) -> None:
@@ -322,7 +325,7 @@ def recompute_part(scale: Scale) -> None:
     reference = None
     for name, (policy, options, max_frames) in rows.items():
         scale.engines("static", max_frames, **options)
-        times, counts = policy_rollout(scale, policy, plan, noise)
+        times, counts, _ = policy_rollout(scale, policy, plan, noise)
         median = statistics.median(times[1:])
         reference = reference or median
         held, _, frames = scale.held()
@@ -357,7 +360,7 @@ def rolling_part(scale: Scale) -> None:
     for name, (policy, options) in rows.items():
         scale.engines("static", CHUNK * chunks, **options)
         policy_rollout(scale, policy, plan, noise)  # warm-up (the rolling windows' shapes)
-        times, counts = policy_rollout(scale, policy, plan, noise)
+        times, counts, _ = policy_rollout(scale, policy, plan, noise)
         forwards, total = counts["denoise"] + counts["store"], sum(times)
         measured[name] = (forwards / chunks, total)
         report(
@@ -372,6 +375,114 @@ def rolling_part(scale: Scale) -> None:
         "rolling",
         f"rolling vs sequential: forwards per chunk x{roll_forwards / seq_forwards:.2f}, frames/s "
         f"x{seq_total / roll_total:.2f}",
+    )
+
+
+# ------------------------------------------------------------------------------------ weights and attention
+def relative_l2(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((value.float() - reference.float()).norm() / reference.float().norm()).item()
+
+
+def sampled_chunks(scale: Scale, frames: int) -> list[torch.Tensor]:
+    """The latents of every chunk of a sampled rollout (``SequentialPolicy``, 4 steps, static engine; noise seed 5, the
+    re-noising between steps from the global RNG seeded 6) of ``frames`` latent frames on ``scale.model``."""
+    host = PolicyHost()
+    torch.manual_seed(6)
+    noise = scale.noise(frames, seed=5, dtype=torch.float32)
+    scale.engines("static", frames)
+    return policy_rollout(scale, SequentialPolicy(), chunk_plan(host, frames // CHUNK, len(STEPS)), noise)[2]
+
+
+def timed_rollout(model, latents, prompt, device, mark_steps: bool = False) -> tuple[float, torch.Tensor]:
+    """Seconds and outputs of the second of two :func:`rollout` calls on a fresh static engine (the first warms up,
+    and compiles a compiled model)."""
+    model.set_kv_cache_engines(make_engines(model, "static", max_frames=latents.shape[2]))
+    rollout(model, latents, prompt, CHUNK, device, mark_steps)
+    times, outputs = rollout(model, latents, prompt, CHUNK, device, mark_steps)
+    return sum(times), outputs
+
+
+def weights_part(scale: Scale, weights: str, latents, eager: dict, compiled: dict, compile_too: bool) -> None:
+    """(6) The transformer under diffusers' own quantization, against the compute-dtype model in the same process:
+    saved, then loaded with ``from_pretrained(..., quantization_config=TorchAoConfig(config))`` (``float8``: dynamic
+    activation + weight per row, CUDA compute capability >= 8.9; ``int8``: weight-only). Rows: weight bytes; the
+    rollout of section 1 (static engine) eager, frames/s and ratio to the compute dtype's; with ``compile_too``, the
+    quantized blocks compiled (fullgraph) too; and a sampled rollout (4 steps) of each model: relative L2 error of
+    every chunk's latents and of the final latents."""
+    import tempfile
+
+    from _common import quantization_config, weight_bytes
+    from diffusers import TorchAoConfig
+
+    device, model, frames = scale.device, scale.model, latents.shape[2]
+    config = quantization_config(weights, device)
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        quantized = WanCausalTransformer3DModel.from_pretrained(
+            folder, torch_dtype=scale.dtype, quantization_config=TorchAoConfig(config),
+            device_map=str(device) if device.type == "cuda" else None,
+        ).eval()  # fmt: skip
+    quantized.to(device)
+    label = f"weights {weights}"
+    num_frames = video_frames(frames)
+    held, base = weight_bytes(quantized), weight_bytes(model)
+    eager_total = eager["static"][0]
+    total, outputs = timed_rollout(quantized, latents, scale.prompt, device)
+    diff = relative_l2(outputs, eager["static"][1])
+    report(
+        label,
+        f"eager: rollout {total:.2f} s = {num_frames / total:.1f} frames/s (x{eager_total / total:.2f} the "
+        f"{str(scale.dtype).removeprefix('torch.')} static rollout's, same run); weights {held / 2**30:.2f} GiB vs "
+        f"{base / 2**30:.2f} GiB; relative L2 of the outputs {diff:.2e}",
+    )
+    if compile_too:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        quantized.compile_repeated_blocks(fullgraph=True)
+        total, _ = timed_rollout(quantized, latents, scale.prompt, device)
+        compiled[label] = total
+        report(
+            label,
+            f"compiled (fullgraph): rollout {total:.2f} s = {num_frames / total:.1f} frames/s "
+            f"(x{eager_total / total:.2f} the eager compute-dtype rollout's)",
+        )
+    sampled = frames // CHUNK * CHUNK
+    reference = sampled_chunks(scale, sampled)
+    on_quantized = Scale(
+        quantized, scale.prompt, device, scale.dtype, scale.latent_size, scale.tokens_per_frame, scale.tiny
+    )
+    chunks = sampled_chunks(on_quantized, sampled)
+    errors = [relative_l2(q, r) for q, r in zip(chunks, reference)]
+    final = relative_l2(torch.cat(chunks, 2), torch.cat(reference, 2))
+    report(
+        label,
+        f"sampled rollout ({len(chunks)} chunks x {len(STEPS)} steps): relative L2 error per chunk "
+        + ", ".join(f"{e:.2e}" for e in errors)
+        + f"; final latents {final:.2e}",
+    )
+    del quantized
+
+
+def backend_part(scale: Scale, backend: str, latents, eager: dict) -> None:
+    """(7) ``model.set_attention_backend(backend)`` (diffusers' dispatcher, which the causal processors call for every
+    unmasked attention): the rollout of section 1 (static engine), frames/s, ratio to the default path's and max abs
+    output diff. Back to the default afterwards (``reset_attention_backend`` alone leaves the dispatcher's active
+    backend set)."""
+    model, device = scale.model, scale.device
+    model.set_attention_backend(backend)
+    try:
+        total, outputs = timed_rollout(model, latents, scale.prompt, device)
+    finally:
+        model.set_attention_backend("native")
+        model.reset_attention_backend()
+    eager_total, eager_outputs = eager["static"]
+    diff = (outputs.float() - eager_outputs.float()).abs().max().item()
+    num_frames = video_frames(latents.shape[2])
+    report(
+        f"attention {backend}",
+        f"rollout {total:.2f} s = {num_frames / total:.1f} frames/s (x{eager_total / total:.2f} the default path's); "
+        f"max abs diff {diff:.3e} (|out| max {eager_outputs.abs().max().item():.2f})",
     )
 
 
@@ -394,6 +505,14 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="rows: window RoPE + EMA sink, 8-bit cache, attention bias, recompute, rolling window (eager)",
     )
+    parser.add_argument(
+        "--weights", choices=("float8", "int8"), default=None,
+        help="row: the transformer loaded under TorchAoConfig (float8: CUDA cc >= 8.9) vs the compute dtype",
+    )  # fmt: skip
+    parser.add_argument(
+        "--attention-backends", default="",
+        help="rows: set_attention_backend(name) for each comma-separated name (diffusers' AttentionBackendName)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     config = TINY if args.tiny else WAN_1_3B
@@ -465,15 +584,23 @@ def main(argv: list[str] | None = None) -> None:
     section("flex vs sdpa", flex_vs_sdpa)
 
     # 3. Cache policies, eager and before the compiled rows (which compile the blocks in place).
+    scale = Scale(model, prompt, device, dtype, (height // 8, width // 8), tokens_per_frame, args.tiny)
     if args.policies:
-        scale = Scale(model, prompt, device, dtype, (height // 8, width // 8), tokens_per_frame, args.tiny)
         section("window rope", window_rope_part, scale)
         section("kv8", kv8_part, scale, latents, eager)
         section("bias", bias_part, scale, 2 if args.tiny else 5)
         section("recompute", recompute_part, scale)
         section("rolling", rolling_part, scale)
 
-    # 4./5. Compiled rollouts (static engine): the repeated block compiled with fullgraph=True, then CUDA graphs.
+    # 4. Quantized weights and attention backends, eager (and the quantized blocks compiled with --compile).
+    compiled = {}
+    if args.weights:
+        compile_too = args.compile and not args.skip_compile
+        section(f"weights {args.weights}", weights_part, scale, args.weights, latents, eager, compiled, compile_too)
+    for backend in filter(None, args.attention_backends.split(",")):
+        section(f"attention {backend}", backend_part, scale, backend, latents, eager)
+
+    # 5./6. Compiled rollouts (static engine): the repeated block compiled with fullgraph=True, then CUDA graphs.
     def compiled_rollout(label: str, mode: str | None) -> None:
         import torch._dynamo
         from torch._dynamo.utils import counters
@@ -494,6 +621,7 @@ def main(argv: list[str] | None = None) -> None:
         graphs = graph_count()
         times, outputs = rollout(model, latents, prompt, chunk, device, mark_steps)
         total = sum(times)
+        compiled[label] = total
         eager_total, eager_outputs = eager["static"]
         diff = (outputs.float() - eager_outputs.float()).abs().max().item()
         print(
@@ -508,6 +636,10 @@ def main(argv: list[str] | None = None) -> None:
         section("compile", compiled_rollout, "compile", None)
     if not args.skip_compile and args.cuda_graphs:
         section("cuda graphs", compiled_rollout, "cuda graphs", "reduce-overhead")
+    quantized = f"weights {args.weights}"
+    if quantized in compiled and "compile" in compiled:
+        ratio = compiled["compile"] / compiled[quantized]
+        report(quantized, f"compiled vs compiled {args.dtype}: frames/s x{ratio:.2f} (same run, same rollout)")
     print(f"total {time.perf_counter() - script_start:.0f} s", flush=True)
 
 

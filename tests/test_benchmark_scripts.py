@@ -140,14 +140,17 @@ def test_older_benchmarks_run_in_a_small_mode(name, capsys):
 
 
 def test_end_to_end_benchmark_runs_in_its_tiny_cpu_mode(capsys):
-    """The plan, then one line per decoder with every stage, the totals and the shares (which add up to 100%)."""
+    """The plan, then one line per decoder and mode with every stage, the totals and the shares (which add up to 100%).
+    On a CPU the overlapped rows run the decode at once (the serial order) through the same bookkeeping."""
     module = load_benchmark("bench_end_to_end")
-    module.main(["--scale", "tiny", "--device", "cpu", "--repeats", "1", "--warmups", "0"])
+    argv = ["--scale", "tiny", "--device", "cpu", "--repeats", "1", "--warmups", "0", "--modes", "serial,overlapped"]
+    module.main(argv)
     printed = capsys.readouterr().out
     assert "FAILED" not in printed
     assert printed.startswith("memory plan (tiny, float32 weights, sequential,") and "  total: " in printed
-    rows = [line for line in printed.splitlines() if line.startswith(("[wan vae, serial]", "[tiny decoder, serial]"))]
-    assert len(rows) == 2
+    labels = [f"[{decoder}, {mode}]" for decoder in ("wan vae", "tiny decoder") for mode in ("serial", "overlapped")]
+    rows = [line for line in printed.splitlines() if line.startswith(tuple(labels))]
+    assert [row.split("]")[0] + "]" for row in rows] == labels
     for row in rows:
         assert " 21 frames in " in row and "(2 chunks)" in row and "first frame after" in row
         shares = row.split("shares: ")[1].split(" (median")[0]
@@ -158,7 +161,7 @@ def test_end_to_end_benchmark_runs_in_its_tiny_cpu_mode(capsys):
 def test_end_to_end_shares_add_up_when_the_stage_medians_come_from_different_runs():
     module = load_benchmark("bench_end_to_end")
     runs = [
-        {"text": t, "denoise": [d], "decode": [c], "total": t + d + c, "first_frame": 1.0, "frames": 9}
+        {"text": t, "denoise": [d], "decode": [c], "ready": [d + c], "total": t + d + c, "first_frame": 1, "frames": 9}
         for t, d, c in [(1.0, 1.0, 1.0), (5.0, 1.0, 1.0), (1.0, 5.0, 1.0)]
     ]  # medians: text 1, denoise 1, decode 1, total 7
     line = module.describe("row", runs, None, 1, None)  # no peak: the device is not read

@@ -98,3 +98,27 @@ def test_native_attention_backend_equals_the_default_path(saved_transformer, ref
     processors = {type(p).__name__: p._attention_backend for p in transformer.attn_processors.values()}
     assert set(processors) == {"WanCausalAttnProcessor", "WanCausalCrossAttnProcessor"}
     assert {str(backend) for backend in processors.values()} == {"AttentionBackendName.NATIVE"}
+
+
+def test_gpu_scale_benchmark_measures_quantized_weights_and_backends_in_its_tiny_cpu_mode(capsys):
+    """bench_gpu_scale's ``--weights`` rows (the transformer loaded under ``TorchAoConfig``: eager, compiled, and a
+    sampled rollout's error per chunk and on the final latents against the compute dtype, same run) and its
+    ``--attention-backends`` rows (native is the default path bit for bit; a backend whose package is missing is one
+    FAILED line and the script goes on). On the GPU the same script runs ``--weights float8``."""
+    pytest.importorskip("torchao")
+    from bench_loader import load_benchmark
+
+    module = load_benchmark("bench_gpu_scale")
+    argv = ["--tiny", "--device", "cpu", "--dtype", "float32", "--num-frames", "21", "--weights", "int8"]
+    module.main([*argv, "--compile", "--attention-backends", "native,flash"])
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("[weights int8] ")]
+    assert [row.split(": ")[0].split("] ")[1].split(" (")[0] for row in rows] == [
+        "eager", "compiled", "sampled rollout", "compiled vs compiled float32"
+    ]  # fmt: skip
+    errors = rows[2].split("per chunk ")[1].split("; final latents ")
+    per_chunk, final = [float(e) for e in errors[0].split(", ")], float(errors[1])
+    assert len(per_chunk) == 2 and all(0 < e < 0.01 for e in per_chunk) and 0 < final < 0.01
+    native = printed.split("[attention native] ")[1].splitlines()[0]
+    assert "max abs diff 0.000e+00" in native
+    assert printed.count("FAILED") == 1 and "[attention flash] FAILED" in printed
