@@ -30,6 +30,8 @@ def test_serve_is_a_subcommand_with_loopback_defaults():
         (["--steps", "0"], "`num_inference_steps` must be a positive integer, got 0"),
         (["--cache-budget-gb", "-1"], "--cache-budget-gb"),
         (["--endless-window", "-1"], "--endless-window"),
+        (["--decoder", "taesd", "taew2_1.pth"], "--decoder KIND must be one of taehv, got 'taesd'"),
+        (["--decoder", "taehv", "missing/taew2_1.pth"], "--decoder taehv missing/taew2_1.pth: no such file"),
     ],
 )
 def test_bad_serve_flags_exit_2_before_anything_loads(flags, message, capsys):
@@ -37,20 +39,26 @@ def test_bad_serve_flags_exit_2_before_anything_loads(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_ctrl_c_tells_sessions_stopped_and_releases_the_port(tmp_path):
-    port = free_port()
+def _serve(port: int, *flags: str) -> subprocess.Popen:
+    """``fastgen-diffusers serve`` in its own process, once it listens on ``port``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "fastgen_diffusers", "serve", "--port", str(port)],
+        [sys.executable, "-m", "fastgen_diffusers", "serve", "--port", str(port), *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
     )
+    for line in process.stdout:
+        if "Serving on" in line:
+            break
+    return process
+
+
+def test_ctrl_c_tells_sessions_stopped_and_releases_the_port(tmp_path):
+    port = free_port()
+    process = _serve(port)
     try:
-        for line in process.stdout:
-            if "Serving on" in line:
-                break
 
         async def session():
             async with websockets.connect(f"ws://127.0.0.1:{port}/ws") as ws:
@@ -70,3 +78,33 @@ def test_ctrl_c_tells_sessions_stopped_and_releases_the_port(tmp_path):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
         sock.listen()
+
+
+def test_serve_streams_through_the_tiny_decoder_of_decoder_taehv(tmp_path):
+    """``serve --decoder taehv PATH`` loads a released-layout TAEHV file (any name) as the pipeline's autoencoder:
+    ``/health`` names it and a session's chunks arrive decoded by it."""
+    import torch
+    from serve_helpers import health
+
+    from fastgen_diffusers.testing import taehv_released_state_dict
+
+    weights = tmp_path / "renamed_decoder.pth"
+    torch.save(taehv_released_state_dict(), weights)
+    port = free_port()
+    process = _serve(port, "--decoder", "taehv", str(weights))
+    try:
+        assert health(f"127.0.0.1:{port}")["decoder"] == "AutoencoderTinyWan"
+
+        async def session():
+            async with websockets.connect(f"ws://127.0.0.1:{port}/ws") as ws:
+                message = {"type": "start", "prompt": PROMPT, "settings": SETTINGS, "num_frames": 21}
+                await ws.send(json.dumps(message))
+                return await receive_chunks(ws, 2)
+
+        chunks = asyncio.run(session())
+        assert [len(frames) for _, frames in chunks] == [9, 12]  # chunks of 3 latent frames: 4 * 3 - 3, then 4 * 3
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()

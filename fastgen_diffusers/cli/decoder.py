@@ -1,6 +1,6 @@
-"""``--decoder taehv PATH`` for ``fastgen-diffusers generate``: decode (and, for video-to-video, encode) with the tiny
-TAEHV autoencoder (``taew2_1.pth`` for Wan2.1's 16 latent channels, ``taew2_2.pth`` for Wan2.2-TI2V's 48) instead of
-the Wan VAE. Nothing here imports torch at module level (``--help`` is timed)."""
+"""``--decoder taehv PATH`` for ``fastgen-diffusers generate`` and ``serve``: decode (and, for video-to-video, encode)
+with the tiny TAEHV autoencoder (``taew2_1.pth`` for Wan2.1's 16 latent channels, ``taew2_2.pth`` for Wan2.2-TI2V's
+48) instead of the Wan VAE. Nothing here imports torch at module level (``--help`` is timed)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from .common import UsageError
 DECODER_KINDS = ("taehv",)
 
 
-def add_decoder_arguments(parser: argparse.ArgumentParser) -> None:
+def add_decoder_arguments(parser: argparse.ArgumentParser, serves: str = "text-to-video and --input-video") -> None:
     parser.add_argument(
         "--decoder",
         nargs=2,
         metavar=("KIND", "PATH"),
-        help="decode with a tiny autoencoder instead of the Wan VAE: `taehv PATH` (a released taew2_1.pth / "
-        "taew2_2.pth or its .safetensors copy; text-to-video and --input-video)",
+        help="decode (and encode video) with a tiny autoencoder instead of the Wan VAE: `taehv PATH` (a released "
+        f"taew2_1.pth / taew2_2.pth or its .safetensors copy; {serves})",
     )
 
 

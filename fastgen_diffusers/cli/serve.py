@@ -9,6 +9,7 @@ import argparse
 
 from ..settings import RolloutSettings, SamplingSettings
 from .checks import UsageError
+from .decoder import add_decoder_arguments, check_decoder_arguments, use_decoder
 
 SERVE_MODULES = ("fastapi", "uvicorn")
 
@@ -52,6 +53,7 @@ def add_serve_subparser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--allow-origin", action="append", default=[], help="another page origin allowed to open sessions (repeatable)"
     )
+    add_decoder_arguments(parser, serves="text and video-to-video sessions: the streams' frames and the camera's")
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     parser.set_defaults(func=run_serve)
 
@@ -75,6 +77,7 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"--cache-budget-gb must be > 0, got {args.cache_budget_gb}.")
     if args.token is not None and not args.token:
         raise UsageError("--token must not be empty.")
+    check_decoder_arguments(args, conditioned=False)  # sessions are text or video-to-video, never image / VACE
     missing = []
     for module in SERVE_MODULES:
         try:
@@ -88,7 +91,7 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Check the flags, load the model, serve until Ctrl-C."""
     check_serve_arguments(args)
-    from ..serve.server import ServeConfig, build_server
+    from ..serve.server import ServeConfig, build_server, load_pipeline
 
     config = ServeConfig(
         model=args.model, host=args.host, port=args.port, token=args.token, device=args.device, dtype=args.dtype,
@@ -97,8 +100,11 @@ def run_serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if args.model is None:
         print("No --model given: serving the built-in tiny model with RANDOM weights (the video is noise).")
+    pipe, name, device = load_pipeline(config.model, config.device, config.dtype)
+    pipe = use_decoder(pipe, args)  # --decoder taehv PATH: the tiny autoencoder as the VAE
     query = "" if args.token is None else "?token=..."
-    server = build_server(config, banner=f"Serving on http://{args.host}:{args.port}/{query} (Ctrl-C stops)")
+    banner = f"Serving on http://{args.host}:{args.port}/{query} (Ctrl-C stops)"
+    server = build_server(config, pipe, name, device, banner=banner)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C again once it has shut down: stopping is the normal end

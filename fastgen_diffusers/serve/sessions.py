@@ -310,6 +310,7 @@ class SessionManager:
         with self._cond:
             sessions = list(self.sessions.values())
         return {
+            "decoder": type(self.pipe.stream_decoder).__name__,  # what decodes the streamed frames
             "sessions": len(sessions),
             "cache_bytes": sum(s.cache_bytes() for s in sessions),
             "reserved_bytes": sum(self.budget.reserved.values()),
