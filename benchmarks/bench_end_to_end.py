@@ -104,13 +104,17 @@ def materialize(module: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     module.to(device)  # buffers
 
 
-def build_pipeline(args, device: torch.device, dtype: torch.dtype, quantize) -> WanCausalPipeline:
+def build_pipeline(args, device: torch.device, dtype: torch.dtype, quantize, vae=None) -> WanCausalPipeline:
+    """The pipeline of ``--scale`` with random weights; ``vae``: its autoencoder (default: a Wan VAE built here)."""
     transformer_config, text_config, vae_config, *_ = SCALES[args.scale]
     tokenizer = tiny_tokenizer()
     with init_empty_weights():
         text_encoder = UMT5EncoderModel(UMT5Config(**text_config, num_decoder_layers=0, dropout_rate=0.0))
         transformer = WanCausalTransformer3DModel(**transformer_config, chunk_size=3)
-        vae = AutoencoderKLWan(**vae_config)
+        wan_vae = AutoencoderKLWan(**vae_config) if vae is None else None
+    if wan_vae is not None:
+        materialize(wan_vae, device, dtype)
+        vae = wan_vae
     materialize(text_encoder, torch.device("cpu") if args.offload_text_encoder else device, dtype)
     if args.offload_text_encoder and device.type == "cuda":
         # diffusers' group offloading: each leaf module visits the device while it runs (streamed, pinned)
@@ -118,7 +122,6 @@ def build_pipeline(args, device: torch.device, dtype: torch.dtype, quantize) -> 
 
         apply_group_offloading(text_encoder, onload_device=device, offload_type="leaf_level", use_stream=True)
     materialize(transformer, device, dtype, quantize)
-    materialize(vae, device, dtype)
     pipe = WanCausalPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder.eval(),
@@ -153,6 +156,13 @@ class Clock:
         return begin.elapsed_time(end) / 1000 if self.cuda else end - begin
 
 
+def policy_options(args) -> dict:
+    """The call's cache policy arguments: Krea's recompute (context 3, the first frame kept as the anchor) or none."""
+    if args.policy == "recompute":
+        return {"kv_cache_policy": "recompute", "context_frames": 3, "keep_first_frame": True}
+    return {}
+
+
 def run_once(pipe, tiny, args, device, dtype, kind: str, overlap: bool) -> dict:
     """One end-to-end run: text, then every chunk's denoising + cache pass and its decode.
 
@@ -164,9 +174,7 @@ def run_once(pipe, tiny, args, device, dtype, kind: str, overlap: bool) -> dict:
     """
     _, _, _, height, width, num_frames = SCALES[args.scale]
     height, width, num_frames = args.height or height, args.width or width, args.num_frames or num_frames
-    policy = {}
-    if args.policy == "recompute":
-        policy = {"kv_cache_policy": "recompute", "context_frames": 3, "keep_first_frame": True}
+    policy = policy_options(args)
     clock = Clock(device)
     synchronize(device)
     begin = time.perf_counter()
@@ -196,10 +204,10 @@ def run_once(pipe, tiny, args, device, dtype, kind: str, overlap: bool) -> dict:
     total = time.perf_counter() - begin
     frames = sum(p.shape[2] for p in pixels)
     # a chunk denoises from the previous chunk's end on the main stream: its decode's end when serial
-    ends = [start] + [denoised if side is not None else end for denoised, _, end in marks]
+    previous = [start] + [denoised if side is not None else end for denoised, _, end in marks[:-1]]
     return {
         "text": text,
-        "denoise": [clock.seconds(a, b) for a, b in zip(ends, ends[1:])],
+        "denoise": [clock.seconds(a, denoised) for a, (denoised, _, _) in zip(previous, marks)],
         "decode": [clock.seconds(a, b) for _, a, b in marks],
         "ready": [clock.seconds(start, end) for _, _, end in marks],
         "total": total,
@@ -251,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmups", type=int, default=1, help="untimed runs per row first")
     parser.add_argument("--decoders", default="wan,tiny", help="rows to run: wan, tiny")
     parser.add_argument(
+        "--calls", action=argparse.BooleanOptionalAction, default=True, help="rows of pipe(...) itself, per mode"
+    )
+    parser.add_argument(
         "--modes", default=None, help="serial, overlapped (default: both on CUDA; serial elsewhere, where they agree)"
     )
     args = parser.parse_args(argv)
@@ -272,28 +283,34 @@ def main(argv: list[str] | None = None) -> None:
 
     name = str(dtype).removeprefix("torch.")
     weight_dtype = {"compute": name, "float8": "float8_e4m3fn", "int8": "int8"}[args.weights]
-    plan = plan_rollout_memory(
-        transformer_config, height=height, width=width, num_frames=num_frames, weight_dtype=weight_dtype,
-        compute_dtype=name, kv_cache_policy=args.policy, context_frames=3 if args.policy == "recompute" else None,
-        text_encoder_parameters=None if args.scale in ("1.3b", "14b") else 0,
-        text_encoder_offloaded=args.offload_text_encoder, decoder="tiny" if "tiny" in kinds else "wan",
-        description=f"{args.scale}, {weight_dtype} weights, {args.policy}, text encoder "
-        f"{'offloaded' if args.offload_text_encoder else 'on the device'}, {width}x{height}, {num_frames} frames",
-    )  # fmt: skip
-    print(plan.summary(), flush=True)
+    plans = {
+        kind: plan_rollout_memory(
+            transformer_config, height=height, width=width, num_frames=num_frames, weight_dtype=weight_dtype,
+            compute_dtype=name, kv_cache_policy=args.policy, context_frames=3 if args.policy == "recompute" else None,
+            text_encoder_parameters=None if args.scale in ("1.3b", "14b") else 0,
+            text_encoder_offloaded=args.offload_text_encoder, decoder=kind,
+            description=f"{args.scale}, {weight_dtype} weights, {args.policy}, text encoder "
+            f"{'offloaded' if args.offload_text_encoder else 'on the device'}, "
+            f"{'Wan VAE' if kind == 'wan' else 'tiny decoder'}, {width}x{height}, {num_frames} frames",
+        )
+        for kind in kinds
+    }  # fmt: skip
+    for plan in plans.values():
+        print(plan.summary(), flush=True)
     quantize = quantization_config(args.weights, device)  # refuses FP8 where it cannot run, before any weight
     if args.memory_cap is not None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap * GIB / total), device)
         print(f"memory capped at {args.memory_cap:g} GiB of {total / GIB:.0f} GiB", flush=True)
     begin = time.perf_counter()
-    pipe = build_pipeline(args, device, dtype, quantize)
     tiny = None
     if "tiny" in kinds:
         with init_empty_weights():
             tiny = AutoencoderTinyWan()
         materialize(tiny, device, dtype)
         tiny.eval()
+    # without Wan VAE rows the tiny autoencoder is the pipeline's VAE (no Wan VAE on the device, as the plan counts)
+    pipe = build_pipeline(args, device, dtype, quantize, vae=None if "wan" in kinds else tiny)
     print(
         f"{args.scale}: {transformer_config['num_layers']} layers, dim "
         f"{transformer_config['num_attention_heads'] * transformer_config['attention_head_dim']}, weights "
@@ -310,11 +327,56 @@ def main(argv: list[str] | None = None) -> None:
         runs = [run_once(pipe, tiny, args, device, dtype, kind, overlap) for _ in range(args.repeats)]
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         label = f"{'wan vae' if kind == 'wan' else 'tiny decoder'}, {mode}"
-        print(describe(label, runs, device, plan.total, peak), flush=True)
+        print(describe(label, runs, device, plans[kind].total, peak), flush=True)
 
     for kind in kinds:
         for mode in modes:
             section(f"{kind}, {mode}", row, kind, mode)
+
+    # The user's path: `pipe(prompt, output_type="pt")` with and without `pipe.enable_decode_overlap()`.
+    calls = {}
+
+    def call_row(mode: str) -> None:
+        if mode == "overlapped":
+            pipe.enable_decode_overlap()
+        kind = "wan" if "wan" in kinds else "tiny"
+
+        def call() -> tuple[float, torch.Tensor]:
+            synchronize(device)
+            begin = time.perf_counter()
+            frames = pipe(
+                prompt=PROMPT, height=height, width=width, num_frames=num_frames, timesteps=TIMESTEPS,
+                output_type="pt", generator=torch.Generator().manual_seed(0), max_sequence_length=512,
+                **policy_options(args),
+            ).frames  # fmt: skip
+            synchronize(device)
+            return time.perf_counter() - begin, frames
+
+        try:
+            for _ in range(args.warmups):
+                call()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            runs = [call() for _ in range(args.repeats)]
+        finally:
+            pipe.disable_decode_overlap()
+        seconds = statistics.median(r[0] for r in runs)
+        frames = calls[mode] = runs[-1][1]
+        line = (
+            f'[call, {"wan vae" if kind == "wan" else "tiny decoder"}, {mode}] pipe(prompt, output_type="pt"): '
+            f"{frames.shape[1]} frames in {seconds:.3f} s = {frames.shape[1] / seconds:.2f} frames/s (median of "
+            f"{len(runs)}, text encoding included)"
+        )
+        if mode != "serial" and "serial" in calls:
+            line += f"; frames equal the serial call's: {torch.equal(frames, calls['serial'])}"
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+            line += f"; peak {peak / GIB:.2f} GiB vs plan {plans[kind].total / GIB:.2f} GiB"
+        print(line, flush=True)
+
+    if args.calls:
+        for mode in modes:
+            section(f"call, {mode}", call_row, mode)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The end-to-end GPU figures in one run (about 6-8 min on an H200; the steps' timeouts add up to 560 s, so that it fits
+# The end-to-end GPU figures in one run (about 6-8 min on an H200; the steps' timeouts add up to 570 s, so that it fits
 # one 600 s device command on an H100 too), for a session that is lent a GPU:
+#   0. tests/test_decode_overlap.py                      the CUDA-only tests: decode on the side stream == serial
+#                                                        (streamed decoder, and pipe() with enable_decode_overlap())
 #   1. bench_end_to_end.py --scale 1.3b                  Wan2.1-1.3B shapes, bf16, 480x832, 81 frames: Wan VAE and
 #                                                        tiny decoder, each serial and overlapped (frames/s, first
-#                                                        frame, per chunk, peak vs plan)
+#                                                        frame, per chunk, peak vs plan); pipe() itself, serial and
+#                                                        overlapped (frames/s, the same frames)
 #   2. bench_end_to_end.py --scale 14b --memory-cap 24   Krea Realtime 14B shapes, FP8, recompute (context 3), text
 #                                                        encoder offloaded, tiny decoder, capped at 24 GiB: plan vs peak
 #   3. bench_gpu_scale.py --compile --cuda-graphs        the transformer alone: eager, FP8 (TorchAoConfig) eager and
@@ -35,8 +38,10 @@ step() {  # step NAME SECONDS COMMAND...
     timeout "$seconds" "$@" 2>&1 | grep -v "^W[0-9]\{4\}" | tee -a "$out/$name.txt"
     echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$out/$name.txt"
 }
-step e2e_1.3b 150 python3 benchmarks/bench_end_to_end.py --scale 1.3b --repeats 2
-step e2e_14b_24gib 190 python3 benchmarks/bench_end_to_end.py --scale 14b --memory-cap 24 --decoders tiny --repeats 1
+step overlap_tests 45 python3 -m pytest -q -p no:cacheprovider tests/test_decode_overlap.py
+step e2e_1.3b 170 python3 benchmarks/bench_end_to_end.py --scale 1.3b --repeats 2
+step e2e_14b_24gib 160 python3 benchmarks/bench_end_to_end.py --scale 14b --memory-cap 24 --decoders tiny --repeats 1 \
+    --no-calls
 backends=native,_native_cudnn,_native_flash,_native_efficient,flash,_flash_3,sage
-step gpu_scale 220 python3 benchmarks/bench_gpu_scale.py --compile --cuda-graphs --weights float8 \
+step gpu_scale 195 python3 benchmarks/bench_gpu_scale.py --compile --cuda-graphs --weights float8 \
     --attention-backends "$backends"

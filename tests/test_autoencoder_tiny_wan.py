@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from fastgen_diffusers import AutoencoderTinyWan
 from fastgen_diffusers.models import TinyWanStreamState
-from fastgen_diffusers.testing import taehv_released_state_dict
+from fastgen_diffusers.testing import taehv_released_state_dict, tiny_taehv
 
 DATA = Path(__file__).parent / "data" / "taehv_tiny"
 META = json.loads((DATA / "meta.json").read_text())
@@ -151,3 +151,24 @@ def test_bad_inputs_are_clear_errors(tmp_path):
         AutoencoderTinyWan.from_released_state_dict({"decoder.1.conv.0.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match="pretrained_model_link_or_path"):
         AutoencoderTinyWan.from_single_file(tmp_path / "missing.pth")
+
+
+@torch.no_grad()
+def test_model_cpu_offload_hook_runs_before_every_chunk_and_inputs_follow_the_weights():
+    """As diffusers' autoencoders do (``apply_forward_hook``): with model CPU offload (accelerate's hook on the
+    module) the streamed decode and encode call the hook's ``pre_forward`` first, which moves the weights in; the
+    inputs then go wherever the weights are (here a float64 model: float32 latents are taken to float64)."""
+    model = tiny_taehv().double()
+    calls = []
+
+    class OffloadHook:  # what `cpu_offload_with_hook` attaches (`pre_forward` moves the module to the GPU)
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(type(module).__name__)
+            return args, kwargs
+
+    model._hf_hook = OffloadHook()
+    latents = torch.randn(1, 16, 2, 2, 2)
+    frames = model.decode_chunk(latents, TinyWanStreamState())
+    assert frames.dtype == torch.float64 and calls == ["AutoencoderTinyWan"]
+    model.encode(frames.float())
+    assert len(calls) == 2

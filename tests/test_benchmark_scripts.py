@@ -151,11 +151,38 @@ def test_end_to_end_benchmark_runs_in_its_tiny_cpu_mode(capsys):
     labels = [f"[{decoder}, {mode}]" for decoder in ("wan vae", "tiny decoder") for mode in ("serial", "overlapped")]
     rows = [line for line in printed.splitlines() if line.startswith(tuple(labels))]
     assert [row.split("]")[0] + "]" for row in rows] == labels
+    for row in rows[::2]:  # serial: the stages follow one another inside the total
+        seconds = {stage: float(row.split(f"; {stage} " if stage == "text" else f", {stage} ")[1].split(" s")[0])
+                   for stage in ("text", "denoise", "decode")}  # fmt: skip
+        total = float(row.split(" frames in ")[1].split(" s")[0])
+        assert sum(seconds.values()) <= total + 1e-3, (seconds, total)
+    # the user's path, pipe(...), with and without decode overlap: the same frames
+    calls = [line for line in printed.splitlines() if line.startswith("[call, wan vae, ")]
+    assert len(calls) == 2 and calls[1].endswith("frames equal the serial call's: True")
+    assert all(" 21 frames in " in call for call in calls)
     for row in rows:
         assert " 21 frames in " in row and "(2 chunks)" in row and "first frame after" in row
         shares = row.split("shares: ")[1].split(" (median")[0]
         total = sum(float(part.split()[1].rstrip("%")) for part in shares.split(", "))
         assert abs(total - 100) < 0.5
+
+
+def test_end_to_end_benchmark_with_only_the_tiny_decoder_builds_no_wan_vae(capsys, monkeypatch):
+    """``--decoders tiny`` (the 14B row's): the tiny autoencoder is the pipeline's VAE, as its plan counts; Krea's
+    recompute policy runs through the same rows."""
+    module = load_benchmark("bench_end_to_end")
+
+    def no_wan_vae(**config):
+        raise AssertionError("a Wan VAE was built")
+
+    monkeypatch.setattr(module, "AutoencoderKLWan", no_wan_vae)
+    argv = ["--scale", "tiny", "--device", "cpu", "--repeats", "1", "--warmups", "0", "--decoders", "tiny"]
+    module.main([*argv, "--policy", "recompute"])
+    printed = capsys.readouterr().out
+    assert "FAILED" not in printed and printed.count("memory plan (") == 1
+    assert "float32 weights, recompute, text encoder on the device, tiny decoder," in printed
+    assert printed.count("[tiny decoder, serial] 21 frames in") == 1
+    assert "[call, tiny decoder, serial] pipe(" in printed
 
 
 def test_end_to_end_shares_add_up_when_the_stage_medians_come_from_different_runs():

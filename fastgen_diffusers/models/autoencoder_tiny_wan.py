@@ -26,6 +26,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.autoencoders.autoencoder_tiny import AutoencoderTinyOutput
 from diffusers.models.autoencoders.vae import DecoderOutput
 from diffusers.models.modeling_utils import ModelMixin
+from diffusers.utils.accelerate_utils import apply_forward_hook
 from torch import nn
 
 # Layer positions of the released layout (``encoder.{i}.*`` / ``decoder.{i}.*`` in the checkpoints).
@@ -253,6 +254,7 @@ class AutoencoderTinyWan(ModelMixin, ConfigMixin):
 
     # Decoding ---------------------------------------------------------------------------------------------------
 
+    @apply_forward_hook  # model CPU offload moves the weights in first, as for diffusers' autoencoders
     def decode_chunk(self, latents: torch.Tensor, state: TinyWanStreamState) -> torch.Tensor:
         """Decode the next latent frames of a stream, updating ``state``.
 
@@ -265,7 +267,7 @@ class AutoencoderTinyWan(ModelMixin, ConfigMixin):
             after it.
         """
         self._check_latents(latents)
-        x = latents.to(self.dtype).transpose(1, 2)  # (B, T, C, h, w)
+        x = latents.to(self.device, self.dtype).transpose(1, 2)  # (B, T, C, h, w)
         x = self.decoder(x, state.memory)  # (B, 4T, 3 p p, H / p, W / p)
         trim = max(self.frames_to_trim - state.frames_out, 0)
         state.frames_out += x.shape[1]
@@ -289,6 +291,7 @@ class AutoencoderTinyWan(ModelMixin, ConfigMixin):
 
     # Encoding ---------------------------------------------------------------------------------------------------
 
+    @apply_forward_hook
     def encode_chunk(self, video: torch.Tensor, state: TinyWanStreamState, last: bool = False) -> torch.Tensor:
         """Encode the next frames of a stream, updating ``state``; frames that do not fill a group of
         ``scale_factor_temporal`` wait in ``state`` for the next chunk, or, with ``last=True``, are completed with
@@ -314,7 +317,7 @@ class AutoencoderTinyWan(ModelMixin, ConfigMixin):
                 f"`video` must be (B, 3, F, H, W) frames with H and W multiples of {spatial}, "
                 f"got shape {tuple(video.shape)}"
             )
-        x = video.to(self.dtype).transpose(1, 2).add(1).div(2)  # (B, F, 3, H, W) in [0, 1]
+        x = video.to(self.device, self.dtype).transpose(1, 2).add(1).div(2)  # (B, F, 3, H, W) in [0, 1]
         patch_size = self.config.patch_size
         if patch_size > 1:
             x = F.pixel_unshuffle(x.flatten(0, 1), patch_size).unflatten(0, x.shape[:2])

@@ -147,7 +147,7 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
     `RuntimeError` at once; use one pipeline per thread.
     """
 
-    model_cpu_offload_seq = "text_encoder->transformer->vae"
+    model_cpu_offload_seq = "text_encoder->transformer->vae->decoder"
     _optional_components = ["tokenizer", "text_encoder", "transformer", "decoder"]
     _transformer_class = WanCausalTransformer3DModel
 

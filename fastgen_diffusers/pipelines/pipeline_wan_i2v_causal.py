@@ -148,7 +148,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
             Wan2.2 TI2V-5B: the first latent frame is the clean image latent at timestep 0 inside chunk 0.
     """
 
-    model_cpu_offload_seq = "text_encoder->image_encoder->transformer->vae"
+    model_cpu_offload_seq = "text_encoder->image_encoder->transformer->vae->decoder"
     _optional_components = [
         "tokenizer", "text_encoder", "transformer", "decoder", "image_processor", "image_encoder"
     ]  # fmt: skip

@@ -30,6 +30,7 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import get_module_execution_device
 
 from ...chunking import ChunkPlan, OpenEndedChunkPlan, chunk_bounds, chunk_layout
+from ...models.autoencoder_tiny_wan import AutoencoderTinyWan
 from ...parallel import is_main_process
 from ...settings import RolloutSettings, argument_names, check_rope_table
 from ..video_io.autoencoders import streaming_decoder
@@ -421,10 +422,11 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         """The body of every causal pipeline's ``__call__``: prepare, roll out chunk by chunk, decode."""
         run = self.prepare_rollout(options)
         latents = run.source.noise.clone()
-        overlapped = None
-        if self.decode_overlap and run.options.output_type != "latent" and is_main_process(self.transformer):
-            if not self.vae.use_tiling:
-                overlapped = OverlappedDecoder(streaming_decoder(self.vae), latents.device)
+        overlapped = None  # the chunks' decoder as they come (None: one decode of the latents at the end)
+        decodes = run.options.output_type != "latent" and is_main_process(self.transformer) and not self.vae.use_tiling
+        # the tiny autoencoder decodes chunk by chunk as `stream()` does, so that both give the same frames bit for bit
+        if decodes and (self.decode_overlap or isinstance(self.vae, AutoencoderTinyWan)):
+            overlapped = OverlappedDecoder(streaming_decoder(self.vae), latents.device, overlap=self.decode_overlap)
 
         # 6. Denoising loop: the causal rollout, chunk by chunk (a policy that decoded a chunk hands its frames over;
         # with decode overlap, each other chunk's decode is queued on its own stream before the next chunk denoises)

@@ -4,9 +4,10 @@ The rollout queues chunk ``k``'s last forward on the current CUDA stream and han
 [`OverlappedDecoder.submit`] then queues its decode on a side stream (after waiting for the chunk's latents) and
 returns at once, so the host goes on queueing chunk ``k + 1``'s denoising and the GPU runs both. Decodes stay in
 submission order on the one side stream, so the decoder's carried state (the Wan VAE's feature cache, the tiny
-decoder's memory) sees the chunks in order and the frames equal the serial ones. [`DecodedChunk.frames`] makes the
-current stream wait for that chunk's decode only. On a CPU (or any non-CUDA device) ``submit`` decodes at once: the
-serial path, through the same bookkeeping.
+decoder's memory) sees the chunks in order and the frames equal the serial ones. The side stream has the higher
+priority, so a chunk's decode is not slowed by the next chunk's denoising (its frames come no later than in the
+serial order). [`DecodedChunk.frames`] makes the current stream wait for that chunk's decode only. On a CPU (or any
+non-CUDA device), or with ``overlap=False``, ``submit`` decodes at once: the serial path, through the same bookkeeping.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class OverlappedDecoder:
     Args:
         decoder: the streamed decoder of the video (owned by the caller, who closes it).
         device (`torch.device`): where the latents live; only ``"cuda"`` overlaps.
+        overlap (`bool`, defaults to `True`): ``False`` decodes each chunk at once, on any device.
 
     Examples:
         ```python
@@ -51,10 +53,13 @@ class OverlappedDecoder:
         ```
     """
 
-    def __init__(self, decoder: StreamingWanDecoder | StreamingTinyWanDecoder, device: torch.device):
+    def __init__(
+        self, decoder: StreamingWanDecoder | StreamingTinyWanDecoder, device: torch.device, overlap: bool = True
+    ):
         self.decoder = decoder
         device = torch.device(device)
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # priority -1: the higher of CUDA's two stream priorities (the default stream has 0)
+        self.stream = torch.cuda.Stream(device, priority=-1) if overlap and device.type == "cuda" else None
 
     @property
     def overlaps(self) -> bool:

@@ -68,7 +68,7 @@ class StreamingTinyWanDecoder:
         if self._state is None:
             self.reset()
         vae = self.vae
-        frames = vae.decode_chunk(latents.to(vae.device, dtype=vae.dtype), self._state)
+        frames = vae.decode_chunk(latents, self._state)  # moves them to its weights (offloaded: after moving those)
         self.num_latent_frames += latents.shape[2]
         return frames
 
@@ -106,7 +106,7 @@ class StreamingTinyWanEncoder(StreamingWanEncoder):
             self.reset()
         self._frame_shape = (pixels.shape[0], pixels.shape[3], pixels.shape[4])
         vae = self.vae
-        video = pixels.to(vae.device, dtype=vae.dtype)
+        video = pixels  # `encode_chunk` moves them to its weights (offloaded: after moving those)
         if self.num_frames == 0:  # the decoder's dropped lead-in frames: the first frame, 3 more times
             video = torch.cat([video[:, :, :1].expand(-1, -1, self.temporal_factor - 1, -1, -1), video], dim=2)
         latents = vae.encode_chunk(video, self._state)
