@@ -184,7 +184,7 @@ def run_once(pipe, tiny, args, device, dtype, kind: str, overlap: bool) -> dict:
     marks, frames = [], 0  # per chunk: (denoised, decode start, decode end)
     start = clock.mark()
     with streaming_decoder(pipe.vae if kind == "wan" else tiny) as decoder:
-        decoding = OverlappedDecoder(decoder, device if overlap else torch.device("cpu"))
+        decoding = OverlappedDecoder(decoder, device, overlap=overlap)
         side = decoding.stream  # None: the decode runs on the current stream, at once
         stream = pipe.stream(
             prompt_embeds=embeds.to(dtype), height=height, width=width, num_frames=num_frames, timesteps=TIMESTEPS,
