@@ -87,12 +87,19 @@ def materialize(module: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     quantizing each block's linears with torchao's ``quantize_(block, quantize)`` as it lands (the configs diffusers'
     ``TorchAoConfig`` applies)."""
     parts = [b for c in module.children() for b in (c if isinstance(c, torch.nn.ModuleList) else [c])]
+    keep = tuple(
+        getattr(module, "_keep_in_fp32_modules", None) or ()
+    )  # TorchAoConfig leaves their linears as they are
+
+    def quantized(child: torch.nn.Module, name: str) -> bool:
+        return isinstance(child, torch.nn.Linear) and not any(k in name.split(".") for k in keep)
+
     for part in parts:
         materialize(part, device, dtype)
-        if quantize is not None and any(isinstance(m, torch.nn.Linear) for m in part.modules()):
+        if quantize is not None and any(quantized(m, n) for n, m in part.named_modules()):
             from torchao.quantization import quantize_
 
-            quantize_(part, quantize)
+            quantize_(part, quantize, filter_fn=quantized)
     for name, param in list(module.named_parameters(recurse=False)):
         if name.endswith("bias"):
             value = torch.zeros(param.shape, device=device, dtype=dtype)

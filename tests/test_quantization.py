@@ -122,3 +122,20 @@ def test_gpu_scale_benchmark_measures_quantized_weights_and_backends_in_its_tiny
     native = printed.split("[attention native] ")[1].splitlines()[0]
     assert "max abs diff 0.000e+00" in native
     assert printed.count("FAILED") == 1 and "[attention flash] FAILED" in printed
+
+
+def test_end_to_end_benchmark_quantizes_the_linears_diffusers_does():
+    """bench_end_to_end builds its 14B transformer block by block under ``init_empty_weights`` and quantizes each
+    block as it lands (``torchao.quantize_``): the linears ``TorchAoConfig`` converts, the time embedder's kept."""
+    pytest.importorskip("torchao")
+    from accelerate import init_empty_weights
+    from bench_loader import load_benchmark
+
+    module = load_benchmark("bench_end_to_end")
+    with init_empty_weights():
+        transformer = WanCausalTransformer3DModel(**CONFIG)
+    module.materialize(transformer, torch.device("cpu"), torch.float32, module.quantization_config("int8", "cpu"))
+    linears = {name: m for name, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    kept = sorted(name for name, m in linears.items() if not type(m.weight).__module__.startswith("torchao"))
+    assert kept == ["condition_embedder.time_embedder.linear_1", "condition_embedder.time_embedder.linear_2"]
+    assert len(linears) > len(kept) and not any(p.is_meta for p in transformer.parameters())
