@@ -31,11 +31,20 @@ Prepared for a session that is lent a GPU: one script, one run, the figures for 
 
   The policies run through their own ``run`` with a stand-in for the pipeline (scheduler and progress bar only: no
   text encoder, no VAE), as ``tests/test_rolling_forcing.py`` drives them.
+* ``--weights float8|int8``: the transformer saved and loaded under diffusers' quantization
+  (``from_pretrained(..., quantization_config=TorchAoConfig(...))``; float8 dynamic activation + weight per row needs
+  CUDA compute capability >= 8.9, int8 weight-only runs anywhere): weight bytes; the rollout of the first bullet
+  eager and, with ``--compile``, compiled (fullgraph), frames/s and ratio to the compute dtype's in the same run (and
+  compiled vs compiled at the end); relative L2 error per chunk and on the final latents of a sampled 4-step rollout;
+* ``--attention-backends a,b,...``: ``set_attention_backend(name)`` (diffusers' dispatcher, which the causal
+  processors call for every unmasked attention): frames/s, ratio and max abs diff against the default path, each; a
+  backend whose package is missing is one FAILED line.
 
 Every section (and every part of ``--policies``) runs in its own ``try``: a failure prints one line and the script
 goes on. Prints are flushed.
 
-Usage: ``python benchmarks/bench_gpu_scale.py --compile --cuda-graphs --policies`` on a GPU (a few minutes on an
+Usage: ``python benchmarks/bench_gpu_scale.py --compile --cuda-graphs --policies [--weights float8]
+[--attention-backends native,_native_cudnn,...]`` on a GPU (a few minutes on an
 H200: about 70 s without ``--policies``, most of it compiling; ``--policies`` adds an estimated 1.5-2 min);
 ``python benchmarks/bench_gpu_scale.py --tiny --device cpu [--policies]`` is a seconds-long smoke test of the script
 itself.
