@@ -425,13 +425,12 @@ def weights_part(scale: Scale, weights: str, latents, eager: dict, compiled: dic
 
     device, model, frames = scale.device, scale.model, latents.shape[2]
     config = quantization_config(weights, device)
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as folder:  # device_map: straight onto the GPU (a CPU run loads on the CPU)
         model.save_pretrained(folder)
         quantized = WanCausalTransformer3DModel.from_pretrained(
             folder, torch_dtype=scale.dtype, quantization_config=TorchAoConfig(config),
             device_map=str(device) if device.type == "cuda" else None,
         ).eval()  # fmt: skip
-    quantized.to(device)
     label = f"weights {weights}"
     num_frames = video_frames(frames)
     held, base = weight_bytes(quantized), weight_bytes(model)
