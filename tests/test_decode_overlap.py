@@ -115,3 +115,26 @@ def test_cuda_overlapped_call_gives_the_serial_frames(vae):
         assert torch.equal(_frames(pipe), serial)
     finally:
         pipe.disable_decode_overlap()
+
+
+def test_an_offloaded_vae_decodes_once_at_the_end(components, monkeypatch):
+    """Model CPU offload (accelerate's hook on the VAE) would move the transformer out and back for every chunk's
+    decode: the call then decodes the latents once at the end instead, to the same frames."""
+    pipe = _pipe(components)
+    serial = _frames(pipe)
+    submitted = []
+    submit = OverlappedDecoder.submit
+    monkeypatch.setattr(
+        OverlappedDecoder, "submit", lambda self, latents: submitted.append(1) or submit(self, latents)
+    )
+    assert torch.equal(_frames(pipe), serial) and len(submitted) == 2  # chunk by chunk by default
+
+    class OffloadHook:  # what `enable_model_cpu_offload` attaches (here moving nothing)
+        def pre_forward(self, module, *args, **kwargs):
+            return args, kwargs
+
+    pipe.vae._hf_hook = OffloadHook()
+    try:
+        assert torch.equal(_frames(pipe), serial) and len(submitted) == 2  # no chunk decoded on the way
+    finally:
+        del pipe.vae._hf_hook

@@ -30,7 +30,6 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import get_module_execution_device
 
 from ...chunking import ChunkPlan, OpenEndedChunkPlan, chunk_bounds, chunk_layout
-from ...models.autoencoder_tiny_wan import AutoencoderTinyWan
 from ...parallel import is_main_process
 from ...settings import RolloutSettings, argument_names, check_rope_table
 from ..video_io.autoencoders import streaming_decoder
@@ -187,13 +186,14 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
 
     # ------------------------------------------------------------------ decode overlap
     def enable_decode_overlap(self) -> None:
-        """Decode each chunk of ``__call__`` as soon as it is done, on its own CUDA stream, while the next chunk
-        denoises (frames identical to the serial decode; see [`OverlappedDecoder`]). On a CPU the chunks are decoded
-        one by one as they come, which is the serial path. Not with VAE tiling (then decoded at the end as before)."""
+        """Decode each chunk of ``__call__`` on its own CUDA stream while the next chunk denoises (frames identical
+        to the serial decode; see [`OverlappedDecoder`]). Without it, or on a CPU, each chunk is decoded as it comes
+        before the next one denoises. Not with VAE tiling or an offloaded VAE (then the frames are decoded at the
+        end)."""
         self._decode_overlap = True
 
     def disable_decode_overlap(self) -> None:
-        """Decode the frames of ``__call__`` after the rollout (the default)."""
+        """Decode each chunk of ``__call__`` before the next one denoises (the default)."""
         self._decode_overlap = False
 
     @property
@@ -422,24 +422,27 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         """The body of every causal pipeline's ``__call__``: prepare, roll out chunk by chunk, decode."""
         run = self.prepare_rollout(options)
         latents = run.source.noise.clone()
-        overlapped = None  # the chunks' decoder as they come (None: one decode of the latents at the end)
-        decodes = run.options.output_type != "latent" and is_main_process(self.transformer) and not self.vae.use_tiling
-        # the tiny autoencoder decodes chunk by chunk as `stream()` does, so that both give the same frames bit for bit
-        if decodes and (self.decode_overlap or isinstance(self.vae, AutoencoderTinyWan)):
-            overlapped = OverlappedDecoder(streaming_decoder(self.vae), latents.device, overlap=self.decode_overlap)
+        # Each chunk is decoded as it comes, with the streamed decoder `stream()` uses (the same frames, bit for bit;
+        # on a side CUDA stream while the next chunk denoises under `enable_decode_overlap`), unless tiling decodes
+        # differently or the VAE is offloaded (model CPU offload would move the transformer out and back for every
+        # chunk): then the latents are decoded once at the end.
+        decodes = run.options.output_type != "latent" and is_main_process(self.transformer)
+        chunk_decoder = None
+        if decodes and not self.vae.use_tiling and not hasattr(self.vae, "_hf_hook"):
+            chunk_decoder = OverlappedDecoder(streaming_decoder(self.vae), latents.device, overlap=self.decode_overlap)
 
-        # 6. Denoising loop: the causal rollout, chunk by chunk (a policy that decoded a chunk hands its frames over;
-        # with decode overlap, each other chunk's decode is queued on its own stream before the next chunk denoises)
+        # 6. Denoising loop: the causal rollout, chunk by chunk, each chunk's decode queued before the next denoises
+        # (a policy that decoded a chunk itself, recompute's re-encoding, hands its frames over: then it decodes all)
         pixels: list[torch.Tensor | DecodedChunk | None] = []
         for chunk in run.chunks():
             latents[:, :, chunk.start : chunk.end] = chunk.latents
             video = chunk.latents[:, :, max(0, run.num_reference_frames - chunk.start) :]
-            if overlapped is not None and chunk.pixels is None and video.shape[2] > 0:
-                pixels.append(overlapped.submit(video))
+            if chunk_decoder is not None and chunk.pixels is None and video.shape[2] > 0:
+                pixels.append(chunk_decoder.submit(video))
             else:
                 pixels.append(chunk.pixels)
-        if overlapped is not None:
-            overlapped.decoder.close()
+        if chunk_decoder is not None:
+            chunk_decoder.decoder.close()
             pixels = [p.frames() if isinstance(p, DecodedChunk) else p for p in pixels]
 
         # 7. Decode, offload all models
