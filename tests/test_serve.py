@@ -716,3 +716,37 @@ def test_the_prompt_switch_settings_pass_through_to_a_live_change(server, pipe, 
         first, served = meta["frame_start"], raw_frames([(meta, frames)]).astype(int)
         tolerance = 0 if meta["index"] < switch else 1  # the new prompt is encoded alone here
         np.testing.assert_allclose(served, expected[first : first + len(frames)], rtol=0, atol=tolerance)
+
+
+async def _wait_for_health(address, condition, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not condition(state := health(address)):
+        assert time.monotonic() < deadline, f"the server kept {state}"
+        await asyncio.sleep(0.05)
+    return state
+
+
+def test_a_restart_waiting_for_video_frames_ends_the_old_run_at_once(server, pipe):
+    """A video restart waits for its frames: the old run ends meanwhile (its caches and budget freed, nothing posted
+    for it), and the new run reads only the frames sent after the restart."""
+    address, _ = server
+    rng = np.random.default_rng(1)
+    sent = [encode_jpeg(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), 90) for _ in range(33)]
+
+    async def run():
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(num_frames=None))  # an endless text run
+            await receive_chunks(ws, 1)
+            await ws.send(start(source="video", num_frames=9))
+            waiting = await receive_until(ws, "waiting")
+            idle = await _wait_for_health(address, lambda s: s["reserved_bytes"] == 0 and s["cache_bytes"] == 0)
+            for frame in sent:
+                await ws.send(frame)
+            after = await receive_until(ws, "stopped")
+            return waiting, idle, after
+
+    waiting, idle, after = asyncio.run(run())
+    chunks, others = split_messages(after)
+    assert [m["type"] for m in others] == ["started", "stopped"]  # no stopped nor error for the old run
+    assert [meta["index"] for meta, _ in chunks] == [0] and idle["sessions"] == 1
+    asyncio.run(wait_idle(address))

@@ -165,11 +165,11 @@ async def _receive(websocket: WebSocket, session, manager: SessionManager, max_p
         if data is not None:
             if len(data) > MAX_BINARY_BYTES:
                 await reply(_error(f"A binary message may hold at most {MAX_BINARY_BYTES} bytes, got {len(data)}."))
-            elif not session.video or session.frame_size is None:
+            elif session.input_size is None:
                 await reply(_error('Binary messages are video frames: start a session with "input": "video".'))
             else:
                 try:
-                    frame = await asyncio.to_thread(decode_jpeg, data, session.frame_size)
+                    frame = await asyncio.to_thread(decode_jpeg, data, session.input_size)
                 except ValueError as error:
                     await reply(_error(str(error)))
                 else:
@@ -240,10 +240,7 @@ def handle_text(text: str, session, manager: SessionManager) -> None:
         message.get("settings"), manager.session_defaults, manager.rollout_defaults, video=source == "video"
     )
     video = source == "video"
-    session.video = video
-    session.frame_size = (settings.height, settings.width) if video else None
-    if video:
-        session.frames.clear()
+    session.input_size = (settings.height, settings.width) if video else None  # the event loop's own field
     manager.request_start(session, {"prompt": prompt, "settings": settings, "num_frames": num_frames, "input": source})
     if video:  # the stream starts once the first chunk's frames are in
         waiting = {"type": "waiting", "frames": manager.frames_needed(0), "height": settings.height,

@@ -118,8 +118,9 @@ class Session:
         self.prompt_request: tuple[str, int | None] | None = None
         self.stop_requested = False
         self.close_requested = False
-        self.frames: deque[np.ndarray] = deque()
+        self.frames: deque[np.ndarray] = deque()  # a fresh one for each start: a run reads only its own
         self.dropped_input_frames = 0
+        self.input_size: tuple[int, int] | None = None  # (height, width) of the input frames a video start asked for
         # delivery (worker <-> sender, under the manager's lock)
         self.queued: deque[ChunkSlot] = deque()  # posted, not yet taken by the sender
         self.sending = 0  # 1 while the sender sends a chunk
@@ -129,7 +130,7 @@ class Session:
         self.last_dropped: int | None = None
         self.drop_notice_posted = False
         self.outbox: Any = None  # the connection's outgoing queue (its size shows in /health)
-        # rollout (worker)
+        # rollout (worker; only the worker writes these)
         self.pipe: Any = None
         self.settings: SessionSettings | None = None
         self.video = False
@@ -233,6 +234,7 @@ class SessionManager:
             session.start_request = message
             session.prompt_request = None
             session.generation += 1
+            session.frames = deque()  # the old run keeps its own (the worker ends it)
             session.purge()
             self._cond.notify_all()
 
@@ -339,8 +341,12 @@ class SessionManager:
                 return session, "close"
             if session.stop_requested:
                 return session, "stop"
-            if session.start_request is not None and self._frames_ready(session, 0, session.start_request):
-                return session, "start"
+            if session.start_request is not None:
+                if self._frames_ready(session, 0, session.start_request):
+                    return session, "start"
+                if session.running:  # the new run waits for its frames: the old one ends now, never offered chunks
+                    return session, "end_run"
+                continue
             if session.running and self._chunk_ready(session):
                 return session, "chunk"
         return None
@@ -429,7 +435,7 @@ class SessionManager:
     def _start(self, session: Session) -> None:
         with self._cond:
             message, session.start_request = session.start_request, None
-            generation = session.generation
+            generation, frames = session.generation, session.frames
         self._end_run(session)
         settings: SessionSettings = message["settings"]
         video = message["input"] == "video"
@@ -456,7 +462,7 @@ class SessionManager:
         call = {"prompt": message["prompt"], **settings.call_kwargs(), "output_type": "np"}
         call["generator"] = torch.Generator("cpu").manual_seed(settings.seed)
         if video:
-            call["video"] = self._video_frames(session)
+            call["video"] = self._video_frames(frames)
         else:
             call["num_frames"] = (latent_frames - 1) * temporal + 1 if num_frames is None else num_frames
         options = pipe.stream_options(**call)
@@ -477,13 +483,14 @@ class SessionManager:
         resolved = {**settings.to_dict(session.run.options.settings), "num_frames": num_frames}
         session.post(("json", {"type": "started", "settings": resolved, "generation": generation}))
 
-    def _video_frames(self, session: Session) -> Iterator[np.ndarray]:
-        """The session's arrived frames, one by one (the worker reads a chunk's frames only once they are all in)."""
+    def _video_frames(self, frames: deque[np.ndarray]) -> Iterator[np.ndarray]:
+        """The frames arrived for one run (its own deque: a restart gives the session a new one), one by one (the
+        worker reads a chunk's frames only once they are all in)."""
         while True:
             with self._cond:
-                if not session.frames:
+                if not frames:
                     return
-                frame = session.frames.popleft()
+                frame = frames.popleft()
             yield frame
 
     def _apply_prompt(self, session: Session) -> None:
