@@ -750,3 +750,68 @@ def test_a_restart_waiting_for_video_frames_ends_the_old_run_at_once(server, pip
     assert [m["type"] for m in others] == ["started", "stopped"]  # no stopped nor error for the old run
     assert [meta["index"] for meta, _ in chunks] == [0] and idle["sessions"] == 1
     asyncio.run(wait_idle(address))
+
+
+def _gated_manager(pipe, monkeypatch):
+    """A manager whose session runs wait, before each chunk, until the test lets them go: ``(manager, entered,
+    go)``."""
+    import threading
+
+    entered, go = threading.Semaphore(0), threading.Semaphore(0)
+    original = type(pipe).stream_run
+
+    def gated(self, run):
+        chunks = original(self, run)
+        try:
+            while True:
+                entered.release()
+                go.acquire()
+                record = next(chunks, None)
+                if record is None:
+                    return
+                yield record
+        finally:
+            chunks.close()
+
+    monkeypatch.setattr(type(pipe), "stream_run", gated)
+    defaults = {"height": 32, "width": 32, "seed": 0}
+    manager = SessionManager(pipe, defaults, RolloutSettings.from_arguments(num_inference_steps=1), 2**30)
+    return manager, entered, go
+
+
+def _start_message(manager, num_frames, **settings):
+    settings = session_settings(settings, manager.session_defaults, manager.rollout_defaults, video=False)
+    return {"prompt": PROMPT, "settings": settings, "num_frames": num_frames, "input": "text"}
+
+
+def _kinds(posted):
+    return [item[0] if item[0] != "json" else item[1]["type"] for item in posted]
+
+
+def test_a_stop_or_restart_during_the_last_chunk_gets_one_stopped_or_none(pipe, monkeypatch):
+    manager, entered, go = _gated_manager(pipe, monkeypatch)
+    posted = []
+    session = manager.open(posted.append)
+    try:
+        manager.request_start(session, _start_message(manager, 9))  # one chunk
+        assert entered.acquire(timeout=60)
+        manager.request_stop(session)  # while its last chunk runs
+        go.release()
+        _wait_for(lambda: not session.running and not session.stop_requested)
+        time.sleep(0.2)
+        assert _kinds(posted).count("stopped") == 1
+        posted.clear()
+        manager.request_start(session, _start_message(manager, 9))
+        assert entered.acquire(timeout=60)
+        manager.request_start(session, _start_message(manager, 9))  # a restart while the last chunk runs
+        go.release()
+        assert entered.acquire(timeout=60)  # the new run's first chunk
+        go.release()
+        _wait_for(lambda: "stopped" in _kinds(posted))
+        time.sleep(0.2)
+        assert _kinds(posted) == ["started", "started", "chunk", "stopped"]  # nothing for the replaced run
+    finally:
+        for _ in range(4):
+            go.release()
+        manager.close(session)
+        manager.stop_all()

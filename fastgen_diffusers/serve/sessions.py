@@ -125,6 +125,7 @@ class Session:
         self.queued: deque[ChunkSlot] = deque()  # posted, not yet taken by the sender
         self.sending = 0  # 1 while the sender sends a chunk
         self.generation = 0  # bumped by each start and stop: a chunk of an older run is never posted
+        self.run_generation = 0  # the generation the running run started under (worker)
         self.dropped_chunks = 0  # by slow_client="drop", not yet reported
         self.dropped_frames = 0
         self.last_dropped: int | None = None
@@ -477,6 +478,7 @@ class SessionManager:
         chunks = pipe.stream_run(run)
         with self._cond:  # request_prompt snapshots the run and its frames sent under the lock
             session.run, session.chunks, session.frames_sent = run, chunks, 0
+        session.run_generation = generation
         session.next_chunk = 0
         session.num_frames = num_frames
         session.frame_size = (settings.height, settings.width)
@@ -506,9 +508,17 @@ class SessionManager:
         run.switch_prompt(session.next_chunk, embeds[0], transition_chunks)
         session.post(("json", {"type": "prompt", "prompt": prompt, "index": session.next_chunk}))
 
-    def _chunk(self, session: Session) -> None:
+    def _run_ended(self, session: Session) -> None:
+        """The run ended by itself: ``stopped``, unless the client already replaced or stopped it (a restart wants
+        none; a stop gets its own)."""
+        self._end_run(session)
         with self._cond:
-            generation = session.generation
+            current = session.run_generation == session.generation
+        if current:
+            session.post(("json", {"type": "stopped"}))
+
+    def _chunk(self, session: Session) -> None:
+        generation = session.run_generation
         try:
             self._apply_prompt(session)
         except ValueError as error:  # a bad prompt change is refused; the stream goes on
@@ -518,8 +528,7 @@ class SessionManager:
         with torch.no_grad():
             record = next(session.chunks, None)
         if record is None:
-            self._end_run(session)
-            session.post(("json", {"type": "stopped"}))
+            self._run_ended(session)
             return
         frames = to_uint8(record.frames[0])  # (F, H, W, 3)
         if session.num_frames is not None:
@@ -560,8 +569,7 @@ class SessionManager:
                 session.queued.append(slot)
                 session.post(("chunk", slot))
         if session.num_frames is not None and session.frames_sent >= session.num_frames:
-            self._end_run(session)
-            session.post(("json", {"type": "stopped"}))
+            self._run_ended(session)
 
 
 def check_prompt_switch(run: Any, frame: int) -> None:
