@@ -815,3 +815,24 @@ def test_a_stop_or_restart_during_the_last_chunk_gets_one_stopped_or_none(pipe, 
             go.release()
         manager.close(session)
         manager.stop_all()
+
+
+def test_a_refused_restart_stops_the_stream_it_ended(pipe):
+    defaults = {"height": 32, "width": 32, "seed": 0}
+    manager = SessionManager(
+        pipe, defaults, RolloutSettings.from_arguments(num_inference_steps=1), 2**30, endless_window=None
+    )
+    posted = []
+    session = manager.open(posted.append)
+    try:
+        manager.request_start(session, _start_message(manager, None, attention_window=6))
+        _wait_for(lambda: "chunk" in _kinds(posted))
+        manager.request_start(session, _start_message(manager, None))  # an unbounded endless stream: refused
+        _wait_for(lambda: "error" in _kinds(posted))
+        _wait_for(lambda: _kinds(posted)[-1] == "stopped", timeout=10)
+        kinds = _kinds(posted)
+        assert kinds[kinds.index("error") :] == ["error", "stopped"] and not session.running
+        assert manager.health()["reserved_bytes"] == 0
+    finally:
+        manager.close(session)
+        manager.stop_all()

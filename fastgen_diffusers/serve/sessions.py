@@ -377,12 +377,13 @@ class SessionManager:
                     self._cond.wait()
                     task = self._task()
             session, kind = task
+            was_running = session.running  # a refused restart has ended the old run: its stream stops
             try:
                 getattr(self, f"_{kind}")(session)
             except Exception as error:  # a failure ends its own session only
                 self._end_run(session)
                 session.post(("json", {"type": "error", "message": _message(error), "fatal": kind != "start"}))
-                if kind != "start":
+                if kind != "start" or was_running:
                     session.post(("json", {"type": "stopped"}))
 
     def _close(self, session: Session) -> None:
