@@ -836,3 +836,35 @@ def test_a_refused_restart_stops_the_stream_it_ended(pipe):
     finally:
         manager.close(session)
         manager.stop_all()
+
+
+def test_health_reads_the_cache_bytes_the_worker_stored_never_the_engines(pipe, monkeypatch):
+    import threading
+
+    from fastgen_diffusers.serve.sessions import Session
+
+    walk = Session.cache_bytes
+
+    def worker_only(self):
+        assert threading.current_thread().name == "fastgen-serve-worker", "the engines are the worker's"
+        return walk(self)
+
+    monkeypatch.setattr(Session, "cache_bytes", worker_only)
+    manager, entered, go = _gated_manager(pipe, monkeypatch)
+    posted = []
+    session = manager.open(posted.append)
+    try:
+        manager.request_start(session, _start_message(manager, 33))  # three chunks
+        assert entered.acquire(timeout=60)
+        go.release()
+        assert entered.acquire(timeout=60)  # the first chunk is posted, the second waits
+        (chunk,) = [item[1] for item in posted if item[0] == "chunk"]
+        assert manager.health()["cache_bytes"] == chunk.meta["cache_bytes"] > 0
+        manager.request_stop(session)
+        go.release()
+        _wait_for(lambda: "stopped" in _kinds(posted))
+        assert manager.health()["cache_bytes"] == 0
+    finally:
+        go.release()
+        manager.close(session)
+        manager.stop_all()

@@ -131,6 +131,7 @@ class Session:
         self.last_dropped: int | None = None
         self.drop_notice_posted = False
         self.outbox: Any = None  # the connection's outgoing queue (its size shows in /health)
+        self.held_cache_bytes = 0  # the session's KV cache after its last chunk (written by the worker, for /health)
         # rollout (worker; only the worker writes these)
         self.pipe: Any = None
         self.settings: SessionSettings | None = None
@@ -161,6 +162,7 @@ class Session:
         return purged
 
     def cache_bytes(self) -> int:
+        """The bytes its KV-cache engines hold now (worker only: it walks the engines)."""
         if self.pipe is None:
             return 0
         return sum(engine.cache_bytes() for engine in self.pipe.transformer.kv_cache_engines.values())
@@ -310,12 +312,13 @@ class SessionManager:
             self._cond.notify_all()
 
     def health(self) -> dict[str, Any]:
-        with self._cond:
+        with self._cond:  # what the worker stored: the engines are the worker's
             sessions = list(self.sessions.values())
+            cache_bytes = sum(s.held_cache_bytes for s in sessions)
         return {
             "decoder": type(self.pipe.stream_decoder).__name__,  # what decodes the streamed frames
             "sessions": len(sessions),
-            "cache_bytes": sum(s.cache_bytes() for s in sessions),
+            "cache_bytes": cache_bytes,
             "reserved_bytes": sum(self.budget.reserved.values()),
             "budget_bytes": self.budget.budget_bytes,
             "queued_chunks": sum(s.pending_chunks for s in sessions),  # posted, not yet sent
@@ -408,6 +411,7 @@ class SessionManager:
             session.chunks.close()
         with self._cond:  # request_prompt reads the run under the lock
             session.chunks = session.run = None
+            session.held_cache_bytes = 0
         if session.pipe is not None:
             session.pipe.transformer.clear_caches()
         self.budget.release(session.id)
@@ -549,6 +553,7 @@ class SessionManager:
         }
         session.next_chunk += 1
         with self._cond:
+            session.held_cache_bytes = meta["cache_bytes"]
             session.frames_sent += len(frames)
             stale = generation != session.generation  # a stop or a restart arrived while it ran: never posted
             full = session.pending_chunks >= self.max_pending_chunks  # only with slow_client="drop"
