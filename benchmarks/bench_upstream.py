@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--count", action="store_true", help="count linear calls per module and input shape")
     parser.add_argument("--only", choices=["ours", "upstream"], default=None)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     torch.set_num_threads(args.threads)
 
     CausalInferencePipeline, FlowMatchScheduler, WanDiffusionWrapper, CausalWanModel = import_upstream(
