@@ -72,7 +72,7 @@ from torch import nn
 
 from .accounting import expected_scale_bytes
 from .cross import CrossKVCache, CrossKVEntry, CrossKVMode
-from .ema_sink import check_ema_chunks, ema_update
+from .ema_sink import ema_update
 from .ledger import Ledger
 from .masks import BlockMaskMemo
 from .options import SINK_UPDATES, check_kv_cache_dtype, check_rope_and_sink_settings
@@ -84,16 +84,7 @@ from .storage import ChunkListStorage, KVStorage, StorageLayout, codec_for
 from .tags import TagState, TagTable
 from .window import AttentionWindow
 
-# re-exported: callers (pipelines) check the same rules before any work
-__all__ = [
-    "SINK_UPDATES",
-    "BaseKVCacheEngine",
-    "EngineViews",
-    "Transaction",
-    "check_ema_chunks",
-    "check_kv_cache_dtype",
-    "check_rope_and_sink_settings",
-]
+__all__ = ["SINK_UPDATES", "BaseKVCacheEngine", "EngineViews", "Transaction"]  # SINK_UPDATES: re-exported
 
 
 @dataclass
@@ -732,10 +723,6 @@ class BaseKVCacheEngine(EngineViews):
             state.batch_size, state.frame_seqlen, state.num_heads, state.head_dim, state.dtype, state.device
         )
         return self.storage_class(layout, self._codec, self._initial_slots(max_frames))
-
-    def _storage_dtype(self, state: TagState) -> torch.dtype:
-        """The dtype of the stored self K/V elements of a tag: ``kv_cache_dtype`` or the compute dtype."""
-        return self.kv_cache_dtype or state.dtype
 
     def _initial_slots(self, max_frames: int | None) -> int:
         """Slots a new storage allocates up front (storages that grow per write ignore it)."""

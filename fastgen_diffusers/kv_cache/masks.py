@@ -40,7 +40,7 @@ def window_key_plan(window: AttentionWindow, start_frame: int, chunk_layout: tup
     pins = SinkRule(window.sink)
     _, recent_start = window.visible(start_frame, chunk_layout[0])
     prefix = visible_prefix(window, pins, start_frame, recent_start)
-    return plan_keys(window, pins, start_frame, sum(chunk_layout), prefix)
+    return plan_keys(pins, start_frame, sum(chunk_layout), prefix)
 
 
 def key_offsets(keys: KeyPlan, frame_seqlen: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -314,7 +314,7 @@ class ChunkListStorage(KVStorage):
         self.values: list[Stored] = []
         self.starts: list[int] = []
 
-    def runs(self, frame_seqlen: int | None = None):
+    def runs(self):
         """``(start, end, key, value)`` of every stored run."""
         seqlen = self.layout.frame_seqlen
         for start, key, value in zip(self.starts, self.keys, self.values):
