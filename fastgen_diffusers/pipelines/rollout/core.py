@@ -106,11 +106,16 @@ class RolloutRun:
         ``prompt_transition_chunks``), with the call's switch settings (``recache``, whose history a run with
         ``recache=True`` keeps from its start, ``recache_sink``, ``kv_flush``). The caller picks a chunk that has not
         begun (a begun chunk never reads it)."""
+        options = self.options
+        n = self.session.prompt_transition_chunks if transition_chunks is None else transition_chunks
         if transition_chunks is not None:
-            # the call's prompt schedule with this transition (a KV flush or a scene cut switches at once)
-            self.options.settings.prompts.replace(prompt_transition_chunks=transition_chunks)
-            self.session.prompt_transition_chunks = transition_chunks
-        check_transition_embeds(self.session.prompt_transition_chunks, self.session.prompt_embeds, {0: prompt_embeds})
+            # the call's settings with this transition, checked as a whole (a KV flush or a scene cut switches at once)
+            settings = options.settings.replace(prompts=options.settings.prompts.replace(prompt_transition_chunks=n))
+            options = replace(options, prompt_transition_chunks=n, settings=settings)
+        check_transition_embeds(n, self.session.prompt_embeds, {0: prompt_embeds})
+        # every check passed: only now the run changes
+        self.options = options
+        self.session.prompt_transition_chunks = n
         self.prompt_switches[chunk_index] = prompt_embeds
 
     def endless(self) -> RolloutRun:
