@@ -111,6 +111,22 @@ def test_tiny_vae_encodes_video_to_video(components, taehv):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("options", [{}, {"kv_cache_policy": "recompute", "context_frames": 3}])
+def test_tiny_vae_video_to_video_call_decodes_chunk_by_chunk_like_the_stream(components, taehv, options):
+    """Video-to-video's call decodes each chunk as it comes with the streamed decoder, as ``stream()`` does: the same
+    frames bit for bit (one decode of the whole video rounds differently with the tiny decoder)."""
+    pipe = _pipe(WanCausalVideoToVideoPipeline, components, vae=taehv)
+    rng = np.random.default_rng(1)
+    video = [rng.integers(0, 256, (16, 16, 3), dtype=np.uint8) for _ in range(21)]
+    kwargs = {key: value for key, value in CALL.items() if key not in ("height", "width", "num_frames")}
+    kwargs = {**kwargs, "video": video, "strength": 0.7, "output_type": "pt", **options}
+    frames = pipe(generator=torch.Generator().manual_seed(0), **kwargs).frames
+    streamed = torch.cat([c.frames for c in pipe.stream(generator=torch.Generator().manual_seed(0), **kwargs)], 1)
+    assert frames.shape == (1, 21, 3, 16, 16)
+    assert torch.equal(frames, streamed)
+
+
+@torch.no_grad()
 def test_streamed_tiny_encoder_follows_wan_frame_groups(taehv):
     pixels = torch.rand(1, 3, 13, 16, 16) * 2 - 1
     with StreamingTinyWanEncoder(taehv) as encoder:
