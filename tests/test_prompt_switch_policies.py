@@ -195,6 +195,31 @@ def test_kv_flush_in_a_pipeline(pipe):
     assert (plain[:, :, 6:] - flushed[:, :, 6:]).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("kv_flush", [False, True])
+def test_kv_flush_runs_at_each_switch_and_keeps_what_the_next_chunk_sees(pipe, monkeypatch, kv_flush):
+    """Window 6, sink 1 (Infinity-RoPE's; the reference recording cannot tell the flush from no flush): with
+    ``kv_flush=True`` the pipeline flushes every tag once at each switch (chunks 2 and 3, frames 6 and 9) keeping 2
+    frames; the held frames after the flush are the sink and the last 2 frames, the very frames the next chunk would
+    have seen without it. Without ``kv_flush`` no flush runs."""
+    from fastgen_diffusers.kv_cache.base import EngineViews
+
+    flushes, flush = [], EngineViews.flush
+
+    def spy(self, cache_tag, keep_frames):
+        start = self.num_stored_frames(cache_tag)
+        seen = self.prefix_key_frames(cache_tag, start, CHUNK)
+        flush(self, cache_tag, keep_frames)
+        flushes.append((cache_tag, keep_frames, start, seen, self.prefix_key_frames(cache_tag, start, CHUNK)))
+
+    monkeypatch.setattr(EngineViews, "flush", spy)
+    run(pipe, kv_flush=kv_flush, **WINDOW)
+    if not kv_flush:
+        assert flushes == []
+        return
+    assert [(keep, start) for _, keep, start, _, _ in flushes] == [(2, 6), (2, 9)]
+    assert [(seen, held) for _, _, _, seen, held in flushes] == [([0, 4, 5], [0, 4, 5]), ([0, 7, 8], [0, 7, 8])]
+
+
 def test_rope_cut_in_a_pipeline(pipe):
     """The cut changes the cut chunk and what follows, not the chunks before it; True cuts at every switch."""
     window = {**WINDOW, "rope_positions": "window"}
