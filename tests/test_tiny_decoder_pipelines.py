@@ -7,11 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from fastgen_diffusers import AutoencoderTinyWan, WanCausalPipeline, WanCausalVideoToVideoPipeline
+from fastgen_diffusers import (
+    AutoencoderTinyWan,
+    WanCausalImageToVideoPipeline,
+    WanCausalPipeline,
+    WanCausalVACEPipeline,
+    WanCausalVideoToVideoPipeline,
+)
 from fastgen_diffusers.models import TinyWanStreamState
 from fastgen_diffusers.pipelines.video_io.autoencoders import streaming_decoder, streaming_encoder
 from fastgen_diffusers.pipelines.video_io.streaming_tiny import StreamingTinyWanDecoder, StreamingTinyWanEncoder
-from fastgen_diffusers.testing import tiny_components, tiny_taehv
+from fastgen_diffusers.testing import tiny_components, tiny_taehv, tiny_vace_pipeline
 
 CALL = {"prompt": "a cat", "height": 16, "width": 16, "num_frames": 21, "num_inference_steps": 2}
 
@@ -155,6 +161,18 @@ def test_streamed_tiny_decoder_forks_and_counts_frames(taehv):
 def test_decoder_component_must_be_the_tiny_autoencoder(components):
     with pytest.raises(ValueError, match="`decoder` must be an AutoencoderTinyWan"):
         WanCausalPipeline(**components, decoder=components["vae"])
+
+
+@pytest.mark.parametrize("cls", [WanCausalImageToVideoPipeline, WanCausalVACEPipeline])
+def test_pipelines_that_encode_with_the_wan_vae_refuse_the_tiny_one_as_vae(components, taehv, cls):
+    """Image-to-video and VACE encode their conditioning with the Wan VAE's latent distribution and statistics: the
+    tiny autoencoder as `vae` is refused at construction (it failed after prompt encoding), pointing to `decoder=`."""
+    if cls is WanCausalVACEPipeline:
+        components = tiny_vace_pipeline().components
+    with pytest.raises(ValueError, match=r"`vae` must be the Wan VAE .*`decoder=`"):
+        cls(**{**components, "vae": taehv})
+    pipe = cls(**{**components, "decoder": taehv})  # the decode-only tiny decoder is accepted
+    assert pipe.stream_decoder is taehv
 
 
 def test_pipeline_with_decoder_saves_and_loads(components, taehv, tmp_path):

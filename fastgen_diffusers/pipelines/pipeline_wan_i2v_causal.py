@@ -149,6 +149,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
     """
 
     model_cpu_offload_seq = "text_encoder->image_encoder->transformer->vae->decoder"
+    _needs_wan_vae_for = "the image or clip"
     _optional_components = [
         "tokenizer", "text_encoder", "transformer", "decoder", "image_processor", "image_encoder"
     ]  # fmt: skip
