@@ -298,7 +298,8 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         chunk_size = options.chunk_size or self.transformer.config.chunk_size
         options.settings.check_chunks(bounds, chunk_size, leading_frames=shape.num_reference_frames)
         schedule, first_schedule = self.call_schedules(options)
-        rolling = self.check_rolling_rollout(options, bounds, len(schedule["sigmas"]))
+        policy = self.select_policy(options)  # once: the checks below and the run use this one
+        rolling = self.check_rolling_rollout(options, bounds, len(schedule["sigmas"]), policy)
 
         # 2. Encode input prompt
         device = self._execution_device
@@ -335,7 +336,6 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         session = self.open_call_session(
             options, conditioner, prompt_embeds, negative_prompt_embeds, schedule, first_schedule, switch_rule, refs
         )
-        policy = rolling or self.select_policy(options)
         return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
 
     def open_call_session(
