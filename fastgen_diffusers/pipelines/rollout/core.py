@@ -670,10 +670,7 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         (``"window"``) serves a video of any length. ``positions_bounded``: the policy keeps RoPE positions below a
         few chunks (as recompute does), so the video may outgrow the RoPE table too."""
         config = self.transformer.config
-        if chunk_size is not None and (
-            not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
-        ):
-            raise ValueError(f"`chunk_size` must be a positive number of latent frames or None, got {chunk_size!r}.")
+        self.check_chunk_size(chunk_size)
         check_rope_table(
             num_latent_frames,
             config.rope_max_seq_len,
@@ -681,7 +678,22 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
             positions_bounded=positions_bounded,
             rope_rebasing=getattr(self.transformer, "rope_rebasing", False),
         )
-        for start, end in self.rollout_chunk_bounds(num_latent_frames, chunk_size):
+        self.check_chunks_served(chunk_size, self.rollout_chunk_bounds(num_latent_frames, chunk_size))
+
+    @staticmethod
+    def check_chunk_size(chunk_size: Any) -> None:
+        """Raise ``ValueError`` unless ``chunk_size`` is ``None`` or a positive number of latent frames (a call's or a
+        continuation's)."""
+        if chunk_size is not None and (
+            not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+        ):
+            raise ValueError(f"`chunk_size` must be a positive number of latent frames or None, got {chunk_size!r}.")
+
+    def check_chunks_served(self, chunk_size: int | None, bounds: Sequence[tuple[int, int]]) -> None:
+        """Raise ``ValueError`` when the transformer's causal mask would split one of the chunks ``bounds`` (made with
+        ``chunk_size``) into several (a call's chunks or a continuation's)."""
+        config = self.transformer.config
+        for start, end in bounds:
             served = self.transformer.chunk_layout_for(end - start, start)
             if served != (end - start,):
                 raise ValueError(
