@@ -249,21 +249,21 @@ def test_recache_keeping_the_sink_at_switches_closer_than_the_window(pipe):
     forward; the switch at frame 15 then truncates inside those frames (at frame 6) and re-runs 6..14, as LongLive's
     does; a blended transition (a recache at each of its chunks) too. The frames before the second switch equal a run
     with the first switch only; the runs are finite and deterministic."""
-    call = {
-        **CALL,
-        "num_frames": 81,
-        "recache": True,
-        "recache_sink": "keep",
-        "attention_window": 12,
-        "sink_frames": 3,
-    }
+    call = {"num_frames": 81, "recache": True, "recache_sink": "keep", "attention_window": 12, "sink_frames": 3}
 
     def latents(schedule, **kwargs):
-        return pipe(prompt_embeds=schedule, generator=torch.Generator().manual_seed(0), **call, **kwargs).frames
+        """The latents and the stores ``(start_frame, frames)`` of the run (the last chunk runs no cache pass)."""
+        frames, calls = run(pipe, prompt_embeds=schedule, **call, **kwargs)
+        return frames, [(start, count) for start, count, store in calls if store]
 
-    both = latents({0: A, 45: B, 57: C})
-    first = latents({0: A, 45: B})
-    assert torch.isfinite(both).all() and torch.equal(both, latents({0: A, 45: B, 57: C}))
+    chunk_stores = [(0, 3), (3, 3), (6, 3), (9, 3)]
+    both, stores = latents({0: A, 45: B, 57: C})
+    # switch at 12: frames 0..11 in one forward; switch at 15: truncated at 6, frames 6..14 in one forward
+    assert stores == [*chunk_stores, (0, 12), (12, 3), (6, 9), (15, 3)]
+    first, stores = latents({0: A, 45: B})
+    assert stores == [*chunk_stores, (0, 12), (12, 3), (15, 3)]
+    assert torch.isfinite(both).all() and torch.equal(both, latents({0: A, 45: B, 57: C})[0])
     assert torch.equal(both[:, :, :15], first[:, :, :15]) and (both[:, :, 15:] - first[:, :, 15:]).abs().max() > 1e-4
-    blended = latents({0: A, 45: B}, prompt_transition_chunks=2)
+    blended, stores = latents({0: A, 45: B}, prompt_transition_chunks=2)
+    assert stores == [*chunk_stores, (0, 12), (12, 3), (6, 9), (15, 3)]  # a recache at each of the blend's chunks
     assert torch.isfinite(blended).all() and torch.equal(blended[:, :, :12], first[:, :, :12])

@@ -187,18 +187,27 @@ def test_pipeline_with_decoder_saves_and_loads(components, taehv, tmp_path):
     assert WanCausalPipeline.from_pretrained(tmp_path / "plain").decoder is None
 
 
-def test_cli_generate_decodes_with_taehv(tmp_path, capsys):
+def test_cli_generate_decodes_with_taehv(tmp_path, capsys, monkeypatch):
     import imageio.v3 as iio
 
     from fastgen_diffusers.cli import app as cli
     from fastgen_diffusers.testing import taehv_released_state_dict
 
+    decoded, decode = [], StreamingTinyWanDecoder.decode
+
+    def spy(self, latents):
+        frames = decode(self, latents)
+        decoded.append(frames.shape[2])
+        return frames
+
+    monkeypatch.setattr(StreamingTinyWanDecoder, "decode", spy)
     weights = tmp_path / "renamed_decoder.pth"
     torch.save(taehv_released_state_dict(), weights)
     output = tmp_path / "fox.mp4"
     args = ["generate", "--prompt", "a fox", "--output", str(output), "--num-frames", "9", "--height", "32"]
     assert cli.main([*args, "--width", "32", "--decoder", "taehv", str(weights)]) == 0
     assert "(9 frames, 32x32" in capsys.readouterr().out
+    assert decoded and sum(decoded) == 9  # the tiny decoder decoded every frame written (not the Wan VAE)
     assert len(iio.imread(output, plugin="FFMPEG")) == 9
     assert cli.main([*args, "--decoder", "taesd", str(weights)]) == 2
     assert "--decoder KIND must be one of taehv" in capsys.readouterr().err
