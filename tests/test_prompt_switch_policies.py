@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_causal_transformer
+from conftest import make_causal_transformer, recorded_forwards
 
 from fastgen_diffusers import StaticKVCacheEngine, VanillaKVCacheEngine
 from fastgen_diffusers.kv_cache import make_engines
@@ -34,18 +34,10 @@ def pipe():
 
 def run(pipe, **kwargs):
     """Latents of a run of ``SCHEDULE`` and its transformer forwards as ``(start_frame, frames, store_kv)``."""
-    calls, forward = [], pipe.transformer.forward
-
-    def recording(hidden_states, *args, **kw):
-        calls.append((kw["start_frame"], hidden_states.shape[2], kw["store_kv"]))
-        return forward(hidden_states, *args, **kw)
-
-    pipe.transformer.forward = recording
-    try:
-        arguments = {**CALL, "prompt_embeds": SCHEDULE, "generator": torch.Generator().manual_seed(0), **kwargs}
-        return pipe(**arguments).frames, calls
-    finally:
-        del pipe.transformer.forward
+    arguments = {**CALL, "prompt_embeds": SCHEDULE, "generator": torch.Generator().manual_seed(0), **kwargs}
+    with recorded_forwards(pipe.transformer) as calls:
+        frames = pipe(**arguments).frames
+    return frames, [(c.kwargs["start_frame"], c.hidden_states.shape[2], c.kwargs["store_kv"]) for c in calls]
 
 
 WINDOW = {"attention_window": 6, "sink_frames": 1}
