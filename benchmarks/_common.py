@@ -1,6 +1,6 @@
 """Set-up shared by the benchmark scripts (not a benchmark): the mid-size random transformer that the engine, cache
-and 8-bit benchmarks time, the calls of one chunk, `section` (a failing row is one line), torchao's configs of the
-``--weights`` choices and the bytes a (quantized) model holds.
+and 8-bit benchmarks time, the calls of one chunk, `synchronize`, `section` (a failing row is one line), torchao's
+configs of the ``--weights`` choices and the bytes a (quantized) model holds.
 
 The scripts import it as a sibling (``python benchmarks/bench_x.py`` puts this folder on ``sys.path``; the smoke tests
 load them with ``tests/bench_loader.py``, which does the same).
@@ -41,6 +41,12 @@ def run_chunk(model, latents: torch.Tensor, text: torch.Tensor, start: int) -> N
     for step in STEPS:
         model(latents, torch.full((1,), step, device=device), text, start_frame=start)
     model(latents, torch.zeros(1, device=device), text, start_frame=start, store_kv=True)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that a host timer spans it; nothing to wait for elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def section(name: str, fn, *args) -> None:

@@ -57,13 +57,13 @@ import statistics
 import time
 
 import torch
-from _common import section
+from _common import CHUNK, STEPS, section, synchronize
 
 from fastgen_diffusers import WanCausalTransformer3DModel, expected_self_cache_bytes, make_engines
 from fastgen_diffusers.chunking import ChunkPlan
 from fastgen_diffusers.convert.formats import warp_timesteps
 from fastgen_diffusers.kv_cache import expected_scale_bytes
-from fastgen_diffusers.memory_plan import WAN_1_3B
+from fastgen_diffusers.memory_plan import WAN_1_3B, plan_rollout_memory
 from fastgen_diffusers.pipelines.rollout.conditioning import Conditioner
 from fastgen_diffusers.pipelines.rollout.core import CausalRolloutMixin
 from fastgen_diffusers.pipelines.rollout.policy import SequentialPolicy
@@ -74,14 +74,7 @@ from fastgen_diffusers.pipelines.rollout.sources import NoiseSource
 from fastgen_diffusers.testing import PolicyHost
 
 TINY = {**WAN_1_3B, "num_attention_heads": 2, "attention_head_dim": 32, "ffn_dim": 64, "num_layers": 2}
-STEPS = (1000.0, 937.5, 833.3, 625.0)
-CHUNK = 3  # latent frames per chunk
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
@@ -434,19 +427,24 @@ def weights_part(scale: Scale, weights: str, latents, eager: dict, compiled: dic
     label = f"weights {weights}"
     num_frames = video_frames(frames)
     held, base = weight_bytes(quantized), weight_bytes(model)
+    planned = plan_rollout_memory(
+        model.config, weight_dtype={"float8": "float8_e4m3fn", "int8": "int8"}[weights],
+        compute_dtype=str(scale.dtype).removeprefix("torch."),
+    ).weights  # fmt: skip
     eager_total = eager["static"][0]
     total, outputs = timed_rollout(quantized, latents, scale.prompt, device)
     diff = relative_l2(outputs, eager["static"][1])
     report(
         label,
         f"eager: rollout {total:.2f} s = {num_frames / total:.1f} frames/s (x{eager_total / total:.2f} the "
-        f"{str(scale.dtype).removeprefix('torch.')} static rollout's, same run); weights {held / 2**30:.2f} GiB vs "
-        f"{base / 2**30:.2f} GiB; relative L2 of the outputs {diff:.2e}",
+        f"{str(scale.dtype).removeprefix('torch.')} static rollout's, same run); weights {held / 2**30:.2f} GiB "
+        f"(plan {planned / 2**30:.2f} GiB, ratio {held / planned:.4f}) vs {base / 2**30:.2f} GiB unquantized; "
+        f"relative L2 of the outputs {diff:.2e}",
     )
     if compile_too:
-        import torch._dynamo
+        from torch import _dynamo
 
-        torch._dynamo.reset()
+        _dynamo.reset()
         quantized.compile_repeated_blocks(fullgraph=True)
         total, _ = timed_rollout(quantized, latents, scale.prompt, device)
         compiled[label] = total

@@ -14,15 +14,11 @@ import statistics
 import time
 
 import torch
+from _common import synchronize
 from diffusers import AutoencoderKLWan
 
 from fastgen_diffusers.pipelines.video_io.autoencoders import streaming_decoder
 from fastgen_diffusers.testing import tiny_taehv
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
@@ -32,10 +28,10 @@ def chunk_seconds(vae, latents: torch.Tensor, chunk: int, repeats: int) -> float
     for _ in range(repeats):
         with streaming_decoder(vae) as decoder:
             decoder.decode(latents[:, :, :chunk])
-            _synchronize(latents.device)
+            synchronize(latents.device)
             start = time.perf_counter()
             decoder.decode(latents[:, :, chunk : 2 * chunk])
-            _synchronize(latents.device)
+            synchronize(latents.device)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
 import pytest
 import torch
 
@@ -18,6 +22,46 @@ TINY_WAN_CONFIG = {
     "num_layers": 2,
     "rope_max_seq_len": 1024,
 }
+
+
+@dataclass
+class ForwardCall:
+    """One ``transformer.forward`` seen by [`recorded_forwards`]: its positional ``args`` (``args[0]``: the hidden
+    states), its keyword ``kwargs`` and ``out``, the first item it returned (``None`` until it returned, and for a
+    store-only pass)."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+    out: Any = None
+
+    @property
+    def hidden_states(self):
+        return self.args[0] if self.args else self.kwargs["hidden_states"]
+
+
+@contextlib.contextmanager
+def recorded_forwards(transformer):
+    """Record every call of ``transformer.forward`` while inside (the list of [`ForwardCall`] it yields, each appended
+    before the forward runs); the forward itself runs unchanged. The previous ``forward`` is restored on exit."""
+    calls: list[ForwardCall] = []
+    own = transformer.__dict__.get("forward")
+    forward = transformer.forward
+
+    def recording(*args, **kwargs):
+        call = ForwardCall(args, kwargs)
+        calls.append(call)
+        out = forward(*args, **kwargs)
+        call.out = out[0]
+        return out
+
+    transformer.forward = recording
+    try:
+        yield calls
+    finally:
+        if own is None:
+            del transformer.forward
+        else:
+            transformer.forward = own
 
 
 def block_self_inputs(block, args):

@@ -270,6 +270,24 @@ def test_bad_input_to_continue_rollout_keeps_the_rollout(watched, overrides, err
     assert calls == [] and cache_state(pipe) == before
 
 
+@pytest.mark.parametrize(
+    ("chunk_size", "fragment"),
+    [
+        (0, "`chunk_size` must be a positive number of latent frames or None, got 0"),
+        # 24 new frames: one chunk of 6 latent frames, which the transformer (chunks of 3) would split: the call's
+        # message (one check for both)
+        (6, r"`chunk_size=6` cannot be served: its chunk of latent frames \[7, 13\) would be split"),
+    ],
+)
+def test_continue_rollout_checks_its_chunk_size_as_the_call_does(watched, chunk_size, fragment):
+    pipe, calls = watched("t")
+    before = cache_state(pipe)
+    calls.clear()
+    with pytest.raises(ValueError, match=fragment):
+        pipe.continue_rollout(24, chunk_size=chunk_size)
+    assert calls == [] and cache_state(pipe) == before
+
+
 def test_pil_images_in_other_modes_are_converted_to_rgb_as_diffusers_loads_them():
     pipe = make_i2v_pipeline()
     pipe.set_progress_bar_config(disable=True)

@@ -162,9 +162,9 @@ def test_end_to_end_benchmark_runs_in_its_tiny_cpu_mode(capsys):
     assert all(" 21 frames in " in call for call in calls)
     for row in rows:
         assert " 21 frames in " in row and "(2 chunks)" in row and "first frame after" in row
-        shares = row.split("shares: ")[1].split(" (median")[0]
-        total = sum(float(part.split()[1].rstrip("%")) for part in shares.split(", "))
-        assert abs(total - 100) < 0.5
+        shares = row.split("shares: ")[1].split(" (median")[0]  # of the stages' sum (100% by construction)
+        assert [part.split()[0] for part in shares.split(", ")] == ["text", "denoise", "decode"], shares
+        assert all(float(part.split()[1].rstrip("%")) > 0 for part in shares.split(", ")), shares  # each stage ran
 
 
 def test_end_to_end_benchmark_with_only_the_tiny_decoder_builds_no_wan_vae(capsys, monkeypatch):

@@ -3,10 +3,11 @@ on a GPU, at once on a CPU), before the next chunk denoises, and the frames equa
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from fastgen_diffusers import WanCausalPipeline
+from fastgen_diffusers import WanCausalPipeline, WanCausalVideoToVideoPipeline
 from fastgen_diffusers.pipelines.video_io.autoencoders import streaming_decoder
 from fastgen_diffusers.pipelines.video_io.decode_overlap import DecodedChunk, OverlappedDecoder
 from fastgen_diffusers.testing import tiny_components, tiny_taehv
@@ -41,6 +42,28 @@ def test_overlapped_call_gives_the_serial_frames(components, vae, options):
     assert torch.equal(_frames(pipe, **options), serial)
     pipe.disable_decode_overlap()
     assert not pipe.decode_overlap
+
+
+@pytest.mark.parametrize("vae", ["wan", "taehv"])
+def test_overlapped_video_to_video_call_gives_the_serial_frames_chunk_by_chunk(components, vae, monkeypatch):
+    """Video-to-video's call decodes through the same per-chunk decoder as text-to-video's."""
+    pipe = WanCausalVideoToVideoPipeline(**{**components, **({"vae": tiny_taehv()} if vae == "taehv" else {})})
+    pipe.set_progress_bar_config(disable=True)
+    video = [np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8) for _ in range(21)]
+    call = {"prompt": "a cat", "video": video, "strength": 0.6, "num_inference_steps": 2, "output_type": "pt"}
+    submitted = []
+    submit = OverlappedDecoder.submit
+    monkeypatch.setattr(
+        OverlappedDecoder, "submit", lambda self, latents: submitted.append(latents.shape[2]) or submit(self, latents)
+    )
+    serial = pipe(generator=torch.Generator().manual_seed(0), **call).frames
+    assert submitted == [3, 3]  # 6 latent frames: each chunk decoded as it comes
+    pipe.enable_decode_overlap()
+    try:
+        assert torch.equal(pipe(generator=torch.Generator().manual_seed(0), **call).frames, serial)
+    finally:
+        pipe.disable_decode_overlap()
+    assert submitted == [3, 3, 3, 3]
 
 
 def test_each_chunk_is_decoded_before_the_next_chunk_denoises(components):

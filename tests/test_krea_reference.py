@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import recorded_forwards
 from safetensors.torch import load_file
 
 from fastgen_diffusers import WanCausalTransformer3DModel
@@ -268,25 +269,18 @@ def free_run(reference, pipe, bias: float, output_type: str = "latent", **kwargs
     flow)`` of every transformer forward."""
     _, inputs, outputs, _ = reference
     noise = torch.cat([outputs[f"unbiased.chunk{c}.step0.hidden_states"] for c in range(CHUNKS)], 1)
-    calls, forward = [], pipe.transformer.forward
-
-    def recording(hidden_states, *args, **kw):
-        out = forward(hidden_states, *args, **kw)
-        calls.append((kw["start_frame"], kw["store_kv"], hidden_states, out[0]))
-        return out
-
     pipe.scheduler, scheduler = RecordedKreaScheduler(pipe.scheduler, inputs), pipe.scheduler
-    pipe.transformer.forward = recording
     try:
-        frames = pipe(
-            prompt_embeds=inputs["prompt_embeds"], height=64, width=64, num_frames=1 + 4 * (CHUNKS * CHUNK_FRAMES - 1),
-            timesteps=list(STEPS), latents=to_model_layout(noise), kv_cache_policy="recompute",
-            context_frames=CONTEXT_FRAMES, kv_cache_attention_bias=bias, output_type=output_type, **kwargs,
-        ).frames  # fmt: skip
+        with recorded_forwards(pipe.transformer) as forwards:
+            frames = pipe(
+                prompt_embeds=inputs["prompt_embeds"], height=64, width=64,
+                num_frames=1 + 4 * (CHUNKS * CHUNK_FRAMES - 1), timesteps=list(STEPS), latents=to_model_layout(noise),
+                kv_cache_policy="recompute", context_frames=CONTEXT_FRAMES, kv_cache_attention_bias=bias,
+                output_type=output_type, **kwargs,
+            ).frames  # fmt: skip
     finally:
-        del pipe.transformer.forward
         pipe.scheduler = scheduler
-    return frames, calls
+    return frames, [(c.kwargs["start_frame"], c.kwargs["store_kv"], c.hidden_states, c.out) for c in forwards]
 
 
 def test_unbiased_free_run_through_the_pipeline_matches_every_call_and_the_final_latents(reference, krea_pipe):

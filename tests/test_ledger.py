@@ -7,13 +7,13 @@ import ast
 import pathlib
 
 import pytest
+from test_import_graph import PACKAGE, _module_name, import_graph
 
 from fastgen_diffusers import StaticKVCacheEngine, VanillaKVCacheEngine
 from fastgen_diffusers.kv_cache import AttentionWindow
 from fastgen_diffusers.kv_cache.ledger import Eviction, Ledger, SinkRule
 from fastgen_diffusers.kv_cache.positions import ROPE_POSITION_MODES
 
-KV_CACHE = pathlib.Path(__file__).resolve().parents[1] / "fastgen_diffusers" / "kv_cache"
 LAYOUT = dict(batch_size=1, frame_seqlen=2, num_heads=2, head_dim=4, dtype="float32", device="cpu")
 
 
@@ -32,13 +32,39 @@ def store(book: Ledger, start: int, frames: int, tag: str = "pos") -> list[tuple
     return kept
 
 
-@pytest.mark.parametrize("module", ["ledger.py", "tags.py", "positions.py", "window.py"])
+def outside_imports(path: pathlib.Path) -> list[str]:
+    """The absolute imports of ``path`` that run at import: module level, inside ``if``/``try``/``with`` too, but not
+    under ``if TYPE_CHECKING:`` (annotations only)."""
+    names, pending = [], list(ast.parse(path.read_text()).body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            pending.extend(node.orelse)
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            pending.extend(ast.iter_child_nodes(node))
+        elif isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.append(node.module or "")
+    return names
+
+
+@pytest.mark.parametrize("module", ["ledger", "tags", "positions", "window", "sink"])
 def test_the_bookkeeping_imports_no_torch(module):
-    """Module-level imports only (``if TYPE_CHECKING:`` imports are for annotations)."""
-    tree = ast.parse((KV_CACHE / module).read_text())
-    names = [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names]
-    names += [node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom)]
-    assert not [name for name in names if name.split(".")[0] == "torch"]
+    """The module and every package module it imports, transitively (``test_import_graph.import_graph``: torch
+    arriving through another module of the package counts), import no torch at import time."""
+    graph = import_graph()
+    paths = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    reached, pending = set(), [f"fastgen_diffusers.kv_cache.{module}"]
+    while pending:
+        name = pending.pop()
+        if name not in reached:
+            reached.add(name)
+            pending.extend(graph[name])
+    torch_importers = [
+        name for name in sorted(reached) if "torch" in {n.split(".")[0] for n in outside_imports(paths[name])}
+    ]
+    assert not torch_importers, torch_importers
 
 
 def test_slots_of_a_ring_and_of_a_list():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import recorded_forwards
 from recorded_sampler import RecordedSampler, model_layout
 from safetensors.torch import load_file
 
@@ -144,21 +145,15 @@ def longlive_free_run(longlive, **policy):
         None, None, None, RecordedSampler(scheduler, meta, inputs, longlive_renoise_key), transformer
     )
     pipe.set_progress_bar_config(disable=True)
-    calls, forward = [], transformer.forward
-
-    def recording(hidden_states, *args, **kwargs):
-        out = forward(hidden_states, *args, **kwargs)
-        calls.append((model_layout(hidden_states), None if out[0] is None else model_layout(out[0])))
-        return out
-
-    transformer.forward = recording
     # latent frames 6 and 15 begin at pixel frames 4 * 6 - 3 = 21 and 4 * 15 - 3 = 57
     schedule = {0: inputs["prompt_embeds.a"], 21: inputs["prompt_embeds.b"], 57: inputs["prompt_embeds.c"]}
-    latents = pipe(
-        prompt_embeds=schedule, height=64, width=64, num_frames=81, timesteps=meta["timesteps_to_model"],
-        latents=model_layout(outputs["noise"]), attention_window=WINDOW, sink_frames=SINK, output_type="latent",
-        **{"recache": True, **policy},
-    ).frames  # fmt: skip
+    with recorded_forwards(transformer) as forwards:
+        latents = pipe(
+            prompt_embeds=schedule, height=64, width=64, num_frames=81, timesteps=meta["timesteps_to_model"],
+            latents=model_layout(outputs["noise"]), attention_window=WINDOW, sink_frames=SINK, output_type="latent",
+            **{"recache": True, **policy},
+        ).frames  # fmt: skip
+    calls = [(model_layout(c.hidden_states), None if c.out is None else model_layout(c.out)) for c in forwards]
     return model_layout(latents), calls
 
 

@@ -29,6 +29,10 @@ def test_extras_hold_what_their_features_need():
     }
     assert "peft" in extras["lora"]  # `load_lora_weights`
     assert "ruff" not in extras["test"] and "ruff" in extras["dev"]
+    assert {"fastapi", "uvicorn"} <= set(extras["serve"])  # `fastgen-diffusers serve`
+    assert "torchao" in extras["quantization"]  # diffusers' TorchAoConfig
+    assert "torchao" not in extras["test"]  # imported by every diffusers import once installed (about 5 s)
+    assert {"websockets", "playwright", "fastapi", "uvicorn"} <= set(extras["test"])  # tests/test_serve*.py
 
 
 def test_the_diffusers_pin_admits_the_installed_release():

@@ -149,6 +149,27 @@ def test_every_pipeline_refuses_what_text_to_video_refuses_before_any_forward(co
         del pipe.transformer.forward
 
 
+def test_a_refused_live_switch_leaves_the_run_unchanged(components):
+    """``run.switch_prompt`` checks everything before it changes the run: a refused transition (a KV flush switches
+    at once) or a switch that cannot be blended (another shape) leaves the session and the options as they were."""
+    pipe = _pipe(WanCausalPipeline, components)
+    flush = {"kv_flush": True, "attention_window": 6, "sink_frames": 1}
+    run = pipe.prepare_rollout(pipe.stream_options(prompt_embeds=SCHEDULE[0], num_frames=45, **CALL, **flush))
+    options, transition = run.options, run.session.prompt_transition_chunks
+    with pytest.raises(ValueError, match="use prompt_transition_chunks=0 with kv_flush"):
+        run.switch_prompt(2, SCHEDULE[21], transition_chunks=2)
+    assert run.session.prompt_transition_chunks == transition and run.options is options and not run.prompt_switches
+
+    run = pipe.prepare_rollout(pipe.stream_options(prompt_embeds=SCHEDULE[0], num_frames=45, **CALL))
+    options, transition = run.options, run.session.prompt_transition_chunks
+    with pytest.raises(ValueError, match="blends prompt embeddings"):
+        run.switch_prompt(2, SCHEDULE[21][:, :3], transition_chunks=2)
+    assert run.session.prompt_transition_chunks == transition and run.options is options and not run.prompt_switches
+    run.switch_prompt(2, SCHEDULE[21], transition_chunks=2)  # accepted: the session and the options agree
+    assert run.session.prompt_transition_chunks == 2 == run.options.prompt_transition_chunks
+    assert run.options.settings.prompts.prompt_transition_chunks == 2 and 2 in run.prompt_switches
+
+
 def test_live_doors_keep_the_rules(components):
     """A stream's live prompt change cannot blend in a switch a KV flush makes at once; a kept rollout that flushes at
     its switches cannot be continued with a recache."""

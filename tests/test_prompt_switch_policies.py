@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_causal_transformer
+from conftest import make_causal_transformer, recorded_forwards
 
 from fastgen_diffusers import StaticKVCacheEngine, VanillaKVCacheEngine
 from fastgen_diffusers.kv_cache import make_engines
@@ -34,18 +34,10 @@ def pipe():
 
 def run(pipe, **kwargs):
     """Latents of a run of ``SCHEDULE`` and its transformer forwards as ``(start_frame, frames, store_kv)``."""
-    calls, forward = [], pipe.transformer.forward
-
-    def recording(hidden_states, *args, **kw):
-        calls.append((kw["start_frame"], hidden_states.shape[2], kw["store_kv"]))
-        return forward(hidden_states, *args, **kw)
-
-    pipe.transformer.forward = recording
-    try:
-        arguments = {**CALL, "prompt_embeds": SCHEDULE, "generator": torch.Generator().manual_seed(0), **kwargs}
-        return pipe(**arguments).frames, calls
-    finally:
-        del pipe.transformer.forward
+    arguments = {**CALL, "prompt_embeds": SCHEDULE, "generator": torch.Generator().manual_seed(0), **kwargs}
+    with recorded_forwards(pipe.transformer) as calls:
+        frames = pipe(**arguments).frames
+    return frames, [(c.kwargs["start_frame"], c.hidden_states.shape[2], c.kwargs["store_kv"]) for c in calls]
 
 
 WINDOW = {"attention_window": 6, "sink_frames": 1}
@@ -195,6 +187,31 @@ def test_kv_flush_in_a_pipeline(pipe):
     assert (plain[:, :, 6:] - flushed[:, :, 6:]).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("kv_flush", [False, True])
+def test_kv_flush_runs_at_each_switch_and_keeps_what_the_next_chunk_sees(pipe, monkeypatch, kv_flush):
+    """Window 6, sink 1 (Infinity-RoPE's; the reference recording cannot tell the flush from no flush): with
+    ``kv_flush=True`` the pipeline flushes every tag once at each switch (chunks 2 and 3, frames 6 and 9) keeping 2
+    frames; the held frames after the flush are the sink and the last 2 frames, the very frames the next chunk would
+    have seen without it. Without ``kv_flush`` no flush runs."""
+    from fastgen_diffusers.kv_cache.base import EngineViews
+
+    flushes, flush = [], EngineViews.flush
+
+    def spy(self, cache_tag, keep_frames):
+        start = self.num_stored_frames(cache_tag)
+        seen = self.prefix_key_frames(cache_tag, start, CHUNK)
+        flush(self, cache_tag, keep_frames)
+        flushes.append((cache_tag, keep_frames, start, seen, self.prefix_key_frames(cache_tag, start, CHUNK)))
+
+    monkeypatch.setattr(EngineViews, "flush", spy)
+    run(pipe, kv_flush=kv_flush, **WINDOW)
+    if not kv_flush:
+        assert flushes == []
+        return
+    assert [(keep, start) for _, keep, start, _, _ in flushes] == [(2, 6), (2, 9)]
+    assert [(seen, held) for _, _, _, seen, held in flushes] == [([0, 4, 5], [0, 4, 5]), ([0, 7, 8], [0, 7, 8])]
+
+
 def test_rope_cut_in_a_pipeline(pipe):
     """The cut changes the cut chunk and what follows, not the chunks before it; True cuts at every switch."""
     window = {**WINDOW, "rope_positions": "window"}
@@ -224,21 +241,21 @@ def test_recache_keeping_the_sink_at_switches_closer_than_the_window(pipe):
     forward; the switch at frame 15 then truncates inside those frames (at frame 6) and re-runs 6..14, as LongLive's
     does; a blended transition (a recache at each of its chunks) too. The frames before the second switch equal a run
     with the first switch only; the runs are finite and deterministic."""
-    call = {
-        **CALL,
-        "num_frames": 81,
-        "recache": True,
-        "recache_sink": "keep",
-        "attention_window": 12,
-        "sink_frames": 3,
-    }
+    call = {"num_frames": 81, "recache": True, "recache_sink": "keep", "attention_window": 12, "sink_frames": 3}
 
     def latents(schedule, **kwargs):
-        return pipe(prompt_embeds=schedule, generator=torch.Generator().manual_seed(0), **call, **kwargs).frames
+        """The latents and the stores ``(start_frame, frames)`` of the run (the last chunk runs no cache pass)."""
+        frames, calls = run(pipe, prompt_embeds=schedule, **call, **kwargs)
+        return frames, [(start, count) for start, count, store in calls if store]
 
-    both = latents({0: A, 45: B, 57: C})
-    first = latents({0: A, 45: B})
-    assert torch.isfinite(both).all() and torch.equal(both, latents({0: A, 45: B, 57: C}))
+    chunk_stores = [(0, 3), (3, 3), (6, 3), (9, 3)]
+    both, stores = latents({0: A, 45: B, 57: C})
+    # switch at 12: frames 0..11 in one forward; switch at 15: truncated at 6, frames 6..14 in one forward
+    assert stores == [*chunk_stores, (0, 12), (12, 3), (6, 9), (15, 3)]
+    first, stores = latents({0: A, 45: B})
+    assert stores == [*chunk_stores, (0, 12), (12, 3), (15, 3)]
+    assert torch.isfinite(both).all() and torch.equal(both, latents({0: A, 45: B, 57: C})[0])
     assert torch.equal(both[:, :, :15], first[:, :, :15]) and (both[:, :, 15:] - first[:, :, 15:]).abs().max() > 1e-4
-    blended = latents({0: A, 45: B}, prompt_transition_chunks=2)
+    blended, stores = latents({0: A, 45: B}, prompt_transition_chunks=2)
+    assert stores == [*chunk_stores, (0, 12), (12, 3), (6, 9), (15, 3)]  # a recache at each of the blend's chunks
     assert torch.isfinite(blended).all() and torch.equal(blended[:, :, :12], first[:, :, :12])

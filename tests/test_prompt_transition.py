@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import recorded_forwards
 
 from fastgen_diffusers.pipelines.rollout.session import PromptTransition
 from fastgen_diffusers.testing import TINY_TEXT_DIM, tiny_pipeline
@@ -34,22 +35,13 @@ def pipe():
 
 def run(pipe, schedule, stream=False, **kwargs):
     """Latents and the conditional embeddings of every denoising forward, by chunk start frame."""
-    used, forward = [], pipe.transformer.forward
-
-    def recording(hidden_states, *args, **kw):
-        if not kw["store_kv"]:
-            used.append(kw["encoder_hidden_states"])
-        return forward(hidden_states, *args, **kw)
-
-    pipe.transformer.forward = recording
-    try:
-        arguments = {**CALL, "prompt_embeds": schedule, "generator": torch.Generator().manual_seed(0), **kwargs}
+    arguments = {**CALL, "prompt_embeds": schedule, "generator": torch.Generator().manual_seed(0), **kwargs}
+    with recorded_forwards(pipe.transformer) as calls:
         if stream:
             latents = torch.cat([chunk.latents for chunk in pipe.stream(**arguments)], 2)
         else:
             latents = pipe(**arguments).frames
-    finally:
-        del pipe.transformer.forward
+    used = [c.kwargs["encoder_hidden_states"] for c in calls if not c.kwargs["store_kv"]]
     steps = CALL["num_inference_steps"]
     return latents, [used[i] for i in range(0, len(used), steps)]  # one per chunk (every step uses the same)
 
@@ -104,19 +96,12 @@ def test_sequential_recache_runs_at_every_blended_chunk(pipe):
 def test_a_continuation_blends_its_new_prompt(pipe, policy):
     """A kept rollout keeps its ``prompt_transition_chunks``: ``continue_rollout(prompt_embeds=...)`` blends too."""
     run(pipe, {0: A}, keep_cache=True, prompt_transition_chunks=2, **{**policy, "num_frames": 21})
-    used, forward = [], pipe.transformer.forward
-
-    def recording(hidden_states, *args, **kw):
-        if not kw["store_kv"]:
-            used.append(kw["encoder_hidden_states"])
-        return forward(hidden_states, *args, **kw)
-
-    pipe.transformer.forward = recording
     try:
-        pipe.continue_rollout(24, prompt_embeds=B, output_type="latent")
+        with recorded_forwards(pipe.transformer) as calls:
+            pipe.continue_rollout(24, prompt_embeds=B, output_type="latent")
     finally:
-        del pipe.transformer.forward
         pipe.discard_rollout()
+    used = [c.kwargs["encoder_hidden_states"] for c in calls if not c.kwargs["store_kv"]]
     chunks = used[:: CALL["num_inference_steps"]]
     assert [torch.equal(u, e) for u, e in zip(chunks, [blend(A, B, 0.5), B])] == [True, True]
 
@@ -125,15 +110,13 @@ def test_a_continuation_whose_prompt_cannot_be_blended_is_refused_before_any_for
     """A kept rollout with ``prompt_transition_chunks=2`` and a new prompt of another token count: the ``__call__``
     error before any forward, the rollout still kept and continuable."""
     run(pipe, {0: A}, keep_cache=True, prompt_transition_chunks=2, num_frames=21)
-    calls, forward = [], pipe.transformer.forward
-    pipe.transformer.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
     try:
-        with pytest.raises(ValueError, match="`prompt_transition_chunks=2` blends prompt embeddings"):
-            pipe.continue_rollout(12, prompt_embeds=embeds(4)[:, :5], output_type="latent")
+        with recorded_forwards(pipe.transformer) as calls:
+            with pytest.raises(ValueError, match="`prompt_transition_chunks=2` blends prompt embeddings"):
+                pipe.continue_rollout(12, prompt_embeds=embeds(4)[:, :5], output_type="latent")
         assert calls == []
         assert pipe.continue_rollout(12, prompt_embeds=B, output_type="latent").frames.shape[2] == 9
     finally:
-        del pipe.transformer.forward
         pipe.discard_rollout()
 
 
@@ -153,11 +136,6 @@ def test_transition_weights():
     ],
 )
 def test_bad_transition_arguments_raise_before_any_forward(pipe, kwargs, message):
-    calls, forward = [], pipe.transformer.forward
-    pipe.transformer.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
-    try:
-        with pytest.raises(ValueError, match=message):
-            pipe(**{**CALL, "prompt_embeds": {0: A, 9: B}, **kwargs})
-    finally:
-        del pipe.transformer.forward
+    with recorded_forwards(pipe.transformer) as calls, pytest.raises(ValueError, match=message):
+        pipe(**{**CALL, "prompt_embeds": {0: A, 9: B}, **kwargs})
     assert calls == []

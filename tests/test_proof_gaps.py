@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import recorded_forwards
 
 from fastgen_diffusers.kv_cache import expected_self_cache_bytes
 from fastgen_diffusers.testing import tiny_pipeline
@@ -38,15 +39,8 @@ def pipe():
 def test_recompute_holds_exactly_the_context_after_any_number_of_chunks(pipe, kind, context_frames):
     chunks = 20
     num_frames = 4 * (CHUNK * chunks - 1) + 1
-    positions, held, frames_held, allocated = [], [], [], []
-    forward = pipe.transformer.forward
-
-    def recording(hidden_states, *args, **kwargs):
-        positions.append(kwargs["start_frame"] + hidden_states.shape[2])  # one past the last RoPE position
-        return forward(hidden_states, *args, **kwargs)
-
-    pipe.transformer.forward = recording
-    try:
+    held, frames_held, allocated = [], [], []
+    with recorded_forwards(pipe.transformer) as calls:
         stream = pipe.stream(
             **CALL, num_frames=num_frames, kv_cache_engine=kind, kv_cache_policy="recompute",
             context_frames=context_frames, generator=torch.Generator().manual_seed(0),
@@ -58,8 +52,7 @@ def test_recompute_holds_exactly_the_context_after_any_number_of_chunks(pipe, ki
             held.append(engine.self_cache_bytes())
             frames_held.append(engine.held_frames("pos") if record.end > CHUNK else None)
             allocated.append(engine.allocated_self_cache_bytes())
-    finally:
-        del pipe.transformer.forward
+    positions = [c.kwargs["start_frame"] + c.hidden_states.shape[2] for c in calls]  # one past the last RoPE position
     assert ends == [CHUNK * (c + 1) for c in range(chunks)]
     # the context of chunk c: the last min(context_frames, 3c) frames produced (fewer only while fewer exist)
     context = [min(context_frames, CHUNK * c) for c in range(1, chunks)]

@@ -122,6 +122,10 @@ def test_gpu_scale_benchmark_measures_quantized_weights_and_backends_in_its_tiny
     native = printed.split("[attention native] ")[1].splitlines()[0]
     assert "max abs diff 0.000e+00" in native
     assert printed.count("FAILED") == 1 and "[attention flash] FAILED" in printed
+    assert "(plan 0.00 GiB, ratio 1.0000)" in rows[0]  # the bytes held are the memory plan's
+    module.main([*argv, "--skip-compile"])  # without compiled rows: eager and sampled only
+    printed = capsys.readouterr().out
+    assert "FAILED" not in printed and "[weights int8] sampled rollout" in printed
 
 
 def test_end_to_end_benchmark_quantizes_the_linears_diffusers_does():

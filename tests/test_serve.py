@@ -691,10 +691,27 @@ def test_a_live_prompt_change_the_policy_cannot_serve_gets_its_settings_error_an
     [{"recache": True}, {"recache": True, "recache_sink": "keep"}, {"kv_flush": True}],
     ids=["recache", "recache-keep-sink", "kv-flush"],
 )
-def test_the_prompt_switch_settings_pass_through_to_a_live_change(server, pipe, switch_settings):
-    """The settings JSON carries the prompt-switch settings; a live change runs under them as a scheduled switch."""
+def test_the_prompt_switch_settings_pass_through_to_a_live_change(server, pipe, switch_settings, monkeypatch):
+    """The settings JSON carries the prompt-switch settings; a live change runs under them as a scheduled switch:
+    exactly the option's entry point runs, once, at the switch (the frames alone cannot tell: the tiny model's
+    switch changes them by at most 1 on uint8 either way)."""
+    from fastgen_diffusers.pipelines.rollout import session as rollout_session
+
     address, _ = server
     settings = {**RAW, "attention_window": 6, "sink_frames": 3, **switch_settings}
+    entered = []  # (entry point, latent frames stored when it ran); the server runs in a thread of this process
+
+    def spy(name, function):
+        def spied(session, *args, **kwargs):
+            entered.append((name, session.num_latent_frames))
+            return function(session, *args, **kwargs)
+
+        return spied
+
+    for name in ("flush_caches", "recache_keeping_sink", "set_rope_cut"):
+        monkeypatch.setattr(rollout_session, name, spy(name, getattr(rollout_session, name)))
+    recache = rollout_session.RolloutSession.recache_chunks
+    monkeypatch.setattr(rollout_session.RolloutSession, "recache_chunks", spy("recache_chunks", recache))
 
     async def run():
         async with websockets.connect(f"ws://{address}/ws") as ws:
@@ -706,10 +723,19 @@ def test_the_prompt_switch_settings_pass_through_to_a_live_change(server, pipe, 
             return started, first + chunks, others
 
     started, chunks, others = asyncio.run(run())
+    served_entries = list(entered)
     prompts = RolloutSettings.from_dict(started["settings"]["rollout"]).prompts
     assert {name: getattr(prompts, name) for name in switch_settings} == switch_settings
     (switch,) = [m["index"] for m in others if m["type"] == "prompt"]
     (switch_meta,) = [meta for meta, _ in chunks if meta["index"] == switch]
+    if switch_settings.get("kv_flush"):
+        expected_entry = "flush_caches"
+    elif switch_settings.get("recache_sink") == "keep":
+        expected_entry = "recache_keeping_sink"
+    else:
+        expected_entry = "recache_chunks"
+    # at the switch's chunk: its first pixel frame f > 0 starts latent frame (f + 3) // 4
+    assert served_entries == [(expected_entry, (switch_meta["frame_start"] + 3) // 4)]
     call = {k: v for k, v in settings.items() if k not in RAW}
     expected = stream_frames(pipe, {0: PROMPT, switch_meta["frame_start"]: NEW_PROMPT}, num_frames=65, **call)
     for meta, frames in chunks:

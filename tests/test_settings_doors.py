@@ -172,7 +172,10 @@ def test_a_settings_value_samples_as_its_flat_arguments(components):
 
     settings = RolloutSettings.from_arguments(flat)
     assert torch.equal(latents(settings=settings), latents(**flat))
-    overridden = {**flat, "sink_frames": 1}
-    assert torch.equal(latents(settings=settings, sink_frames=1), latents(**overridden))
+    # the override must change the output at this size (21 frames fit in window 6: a sink override would not)
+    settings_only = latents(settings=settings)
+    overriding = latents(settings=settings, kv_cache_attention_bias=1.0)
+    assert (overriding - settings_only).abs().max() > 1e-4
+    assert torch.equal(overriding, latents(**{**flat, "kv_cache_attention_bias": 1.0}))
     with pytest.raises(ValueError, match="`settings` must be a RolloutSettings or None, got dict"):
         latents(settings=settings.to_dict())

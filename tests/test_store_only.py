@@ -14,7 +14,7 @@ import PIL.Image
 import pytest
 import torch
 import torch._dynamo
-from conftest import make_causal_transformer
+from conftest import make_causal_transformer, recorded_forwards
 from torch._dynamo.utils import counters
 
 from fastgen_diffusers.kv_cache import make_engines
@@ -202,17 +202,11 @@ def test_pipeline_cache_passes_are_store_only_and_change_nothing(make, call):
     equal those of the same rollout with every store a full forward, bit for bit."""
     pipe = make()
     pipe.set_progress_bar_config(disable=True)
-    stores, forward = [], pipe.transformer.forward
-
-    def recording(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        if kwargs["store_kv"]:
-            stores.append((kwargs.get("store_only", False), out[0]))
-        return out
-
-    pipe.transformer.forward = recording
-    got = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    with recorded_forwards(pipe.transformer) as calls:
+        got = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    stores = [(c.kwargs.get("store_only", False), c.out) for c in calls if c.kwargs["store_kv"]]
     assert stores and all(store_only and out is None for store_only, out in stores)
+    forward = pipe.transformer.forward
     pipe.transformer.forward = lambda *args, store_only=False, **kwargs: forward(*args, **kwargs)  # full stores
     expected = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
     del pipe.transformer.forward

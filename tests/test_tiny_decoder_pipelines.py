@@ -7,11 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from fastgen_diffusers import AutoencoderTinyWan, WanCausalPipeline, WanCausalVideoToVideoPipeline
+from fastgen_diffusers import (
+    AutoencoderTinyWan,
+    WanCausalImageToVideoPipeline,
+    WanCausalPipeline,
+    WanCausalVACEPipeline,
+    WanCausalVideoToVideoPipeline,
+)
 from fastgen_diffusers.models import TinyWanStreamState
 from fastgen_diffusers.pipelines.video_io.autoencoders import streaming_decoder, streaming_encoder
 from fastgen_diffusers.pipelines.video_io.streaming_tiny import StreamingTinyWanDecoder, StreamingTinyWanEncoder
-from fastgen_diffusers.testing import tiny_components, tiny_taehv
+from fastgen_diffusers.testing import tiny_components, tiny_taehv, tiny_vace_pipeline
 
 CALL = {"prompt": "a cat", "height": 16, "width": 16, "num_frames": 21, "num_inference_steps": 2}
 
@@ -111,6 +117,22 @@ def test_tiny_vae_encodes_video_to_video(components, taehv):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("options", [{}, {"kv_cache_policy": "recompute", "context_frames": 3}])
+def test_tiny_vae_video_to_video_call_decodes_chunk_by_chunk_like_the_stream(components, taehv, options):
+    """Video-to-video's call decodes each chunk as it comes with the streamed decoder, as ``stream()`` does: the same
+    frames bit for bit (one decode of the whole video rounds differently with the tiny decoder)."""
+    pipe = _pipe(WanCausalVideoToVideoPipeline, components, vae=taehv)
+    rng = np.random.default_rng(1)
+    video = [rng.integers(0, 256, (16, 16, 3), dtype=np.uint8) for _ in range(21)]
+    kwargs = {key: value for key, value in CALL.items() if key not in ("height", "width", "num_frames")}
+    kwargs = {**kwargs, "video": video, "strength": 0.7, "output_type": "pt", **options}
+    frames = pipe(generator=torch.Generator().manual_seed(0), **kwargs).frames
+    streamed = torch.cat([c.frames for c in pipe.stream(generator=torch.Generator().manual_seed(0), **kwargs)], 1)
+    assert frames.shape == (1, 21, 3, 16, 16)
+    assert torch.equal(frames, streamed)
+
+
+@torch.no_grad()
 def test_streamed_tiny_encoder_follows_wan_frame_groups(taehv):
     pixels = torch.rand(1, 3, 13, 16, 16) * 2 - 1
     with StreamingTinyWanEncoder(taehv) as encoder:
@@ -141,6 +163,18 @@ def test_decoder_component_must_be_the_tiny_autoencoder(components):
         WanCausalPipeline(**components, decoder=components["vae"])
 
 
+@pytest.mark.parametrize("cls", [WanCausalImageToVideoPipeline, WanCausalVACEPipeline])
+def test_pipelines_that_encode_with_the_wan_vae_refuse_the_tiny_one_as_vae(components, taehv, cls):
+    """Image-to-video and VACE encode their conditioning with the Wan VAE's latent distribution and statistics: the
+    tiny autoencoder as `vae` is refused at construction (it failed after prompt encoding), pointing to `decoder=`."""
+    if cls is WanCausalVACEPipeline:
+        components = tiny_vace_pipeline().components
+    with pytest.raises(ValueError, match=r"`vae` must be the Wan VAE .*`decoder=`"):
+        cls(**{**components, "vae": taehv})
+    pipe = cls(**{**components, "decoder": taehv})  # the decode-only tiny decoder is accepted
+    assert pipe.stream_decoder is taehv
+
+
 def test_pipeline_with_decoder_saves_and_loads(components, taehv, tmp_path):
     pipe = _pipe(WanCausalPipeline, components, decoder=taehv)
     pipe.save_pretrained(tmp_path)
@@ -153,18 +187,27 @@ def test_pipeline_with_decoder_saves_and_loads(components, taehv, tmp_path):
     assert WanCausalPipeline.from_pretrained(tmp_path / "plain").decoder is None
 
 
-def test_cli_generate_decodes_with_taehv(tmp_path, capsys):
+def test_cli_generate_decodes_with_taehv(tmp_path, capsys, monkeypatch):
     import imageio.v3 as iio
 
     from fastgen_diffusers.cli import app as cli
     from fastgen_diffusers.testing import taehv_released_state_dict
 
+    decoded, decode = [], StreamingTinyWanDecoder.decode
+
+    def spy(self, latents):
+        frames = decode(self, latents)
+        decoded.append(frames.shape[2])
+        return frames
+
+    monkeypatch.setattr(StreamingTinyWanDecoder, "decode", spy)
     weights = tmp_path / "renamed_decoder.pth"
     torch.save(taehv_released_state_dict(), weights)
     output = tmp_path / "fox.mp4"
     args = ["generate", "--prompt", "a fox", "--output", str(output), "--num-frames", "9", "--height", "32"]
     assert cli.main([*args, "--width", "32", "--decoder", "taehv", str(weights)]) == 0
     assert "(9 frames, 32x32" in capsys.readouterr().out
+    assert decoded and sum(decoded) == 9  # the tiny decoder decoded every frame written (not the Wan VAE)
     assert len(iio.imread(output, plugin="FFMPEG")) == 9
     assert cli.main([*args, "--decoder", "taesd", str(weights)]) == 2
     assert "--decoder KIND must be one of taehv" in capsys.readouterr().err

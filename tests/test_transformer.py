@@ -114,8 +114,9 @@ def test_flex_attention_block_mask_equals_sdpa_mask(tiny_model, latents, prompt_
     assert (flex - sdpa).abs().max().item() <= 1e-5
     masks = tiny_model.block_masks
     assert len(masks) == 1
-    (backend, device, window, layout, frame_seqlen, sink_end, prefix_frames, own_sink) = masks.keys()[0]
-    assert (backend, layout, frame_seqlen, prefix_frames) == ("flex", (5, 3), 15, 0)
+    (backend, device, window, layout, frame_seqlen, prefix_pinned, prefix_recent, (pattern, pinned)) = masks.keys()[0]
+    assert (backend, layout, frame_seqlen, prefix_recent) == ("flex", (5, 3), 15, 0)
+    assert pattern == tuple(range(8)) and len(pinned) == 8
 
 
 @torch.no_grad()

@@ -72,7 +72,7 @@ from torch import nn
 
 from .accounting import expected_scale_bytes
 from .cross import CrossKVCache, CrossKVEntry, CrossKVMode
-from .ema_sink import check_ema_chunks, ema_update
+from .ema_sink import ema_update
 from .ledger import Ledger
 from .masks import BlockMaskMemo
 from .options import SINK_UPDATES, check_kv_cache_dtype, check_rope_and_sink_settings
@@ -84,16 +84,15 @@ from .storage import ChunkListStorage, KVStorage, StorageLayout, codec_for
 from .tags import TagState, TagTable
 from .window import AttentionWindow
 
-# re-exported: callers (pipelines) check the same rules before any work
-__all__ = [
-    "SINK_UPDATES",
-    "BaseKVCacheEngine",
-    "EngineViews",
-    "Transaction",
-    "check_ema_chunks",
-    "check_kv_cache_dtype",
-    "check_rope_and_sink_settings",
-]
+__all__ = ["SINK_UPDATES", "BaseKVCacheEngine", "EngineViews", "Transaction"]  # SINK_UPDATES: re-exported
+
+
+def _tag_layout(
+    batch_size: int, frame_seqlen: int, num_heads: int, head_dim: int, dtype: torch.dtype, device
+) -> dict[str, Any]:
+    """The layout of a call's entries as :meth:`TagState.layout` has it (the fields of :class:`StorageLayout`), the
+    device normalized."""
+    return dict(vars(StorageLayout(batch_size, frame_seqlen, num_heads, head_dim, dtype, torch.device(device))))
 
 
 @dataclass
@@ -546,14 +545,7 @@ class BaseKVCacheEngine(EngineViews):
                 f"An 8-bit KV cache (`kv_cache_dtype={self.kv_cache_dtype}`) serves inference only: run the forward "
                 "under `torch.no_grad()` or `torch.inference_mode()`, or use engines without `kv_cache_dtype`."
             )
-        layout = {
-            "batch_size": batch_size,
-            "frame_seqlen": frame_seqlen,
-            "num_heads": num_heads,
-            "head_dim": head_dim,
-            "dtype": dtype,
-            "device": torch.device(device),
-        }
+        layout = _tag_layout(batch_size, frame_seqlen, num_heads, head_dim, dtype, device)
         self.ledger.check_call(cache_tag, start_frame, chunk_layout, layout, attention_window, store_kv)
 
     def ensure_capacity(
@@ -578,15 +570,8 @@ class BaseKVCacheEngine(EngineViews):
         """
         state = self.ledger.state(cache_tag)
         if state is None:
-            state = self.ledger.tags.create(
-                cache_tag,
-                batch_size=batch_size,
-                frame_seqlen=frame_seqlen,
-                num_heads=num_heads,
-                head_dim=head_dim,
-                dtype=dtype,
-                device=torch.device(device),
-            )
+            layout = _tag_layout(batch_size, frame_seqlen, num_heads, head_dim, dtype, device)
+            state = self.ledger.tags.create(cache_tag, **layout)
             for block_idx in range(self.num_blocks):
                 self._self_kv[block_idx][cache_tag] = self._new_self_entry(state, max_frames)
         shape = (state.batch_size, state.num_heads, state.head_dim)
@@ -728,14 +713,7 @@ class BaseKVCacheEngine(EngineViews):
     # ------------------------------------------------------------------ applying the ledger to the storages
     def _new_self_entry(self, state: TagState, max_frames: int | None) -> KVStorage:
         """A new, empty storage of one block and tag (:attr:`storage_class`, with the engine's codec)."""
-        layout = StorageLayout(
-            state.batch_size, state.frame_seqlen, state.num_heads, state.head_dim, state.dtype, state.device
-        )
-        return self.storage_class(layout, self._codec, self._initial_slots(max_frames))
-
-    def _storage_dtype(self, state: TagState) -> torch.dtype:
-        """The dtype of the stored self K/V elements of a tag: ``kv_cache_dtype`` or the compute dtype."""
-        return self.kv_cache_dtype or state.dtype
+        return self.storage_class(StorageLayout(**state.layout()), self._codec, self._initial_slots(max_frames))
 
     def _initial_slots(self, max_frames: int | None) -> int:
         """Slots a new storage allocates up front (storages that grow per write ignore it)."""

@@ -56,9 +56,7 @@ class KeyPlan:
         )
 
 
-def plan_keys(
-    window: AttentionWindow, pins: SinkRule, start_frame: int, num_frames: int, prefix: Sequence[int]
-) -> KeyPlan:
+def plan_keys(pins: SinkRule, start_frame: int, num_frames: int, prefix: Sequence[int]) -> KeyPlan:
     """The :class:`KeyPlan` of a call reading the cached frames ``prefix`` (frame order) then its own frames."""
     frames = (*prefix, *range(start_frame, start_frame + num_frames))
     return KeyPlan(start_frame, frames, tuple(pins.pinned(frame) for frame in frames))
@@ -186,8 +184,7 @@ class Ledger:
     ) -> KeyPlan:
         """The keys a gathered call reads in order, each with whether it is pinned (what its masks are built from)."""
         prefix = self.prefix_frames(cache_tag, start_frame, chunk_layout[0], attention_window)
-        window = self.window if attention_window is None else attention_window
-        return plan_keys(window, self.pins(attention_window), start_frame, sum(chunk_layout), prefix)
+        return plan_keys(self.pins(attention_window), start_frame, sum(chunk_layout), prefix)
 
     def key_frames(
         self,

@@ -40,7 +40,7 @@ def window_key_plan(window: AttentionWindow, start_frame: int, chunk_layout: tup
     pins = SinkRule(window.sink)
     _, recent_start = window.visible(start_frame, chunk_layout[0])
     prefix = visible_prefix(window, pins, start_frame, recent_start)
-    return plan_keys(window, pins, start_frame, sum(chunk_layout), prefix)
+    return plan_keys(pins, start_frame, sum(chunk_layout), prefix)
 
 
 def key_offsets(keys: KeyPlan, frame_seqlen: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,23 +166,26 @@ class BlockMaskMemo:
     """Masks already built, keyed by everything their pattern depends on.
 
     The pattern of a call depends on its start frame only through the keys the ledger plans (:class:`KeyPlan`): how
-    many pinned and recent frames its prefix holds and each key's offset from the call's start (a pinned frame of the
-    prefix is seen wherever it is); calls that agree on those share one mask.
+    many pinned and recent frames its prefix holds, each key's offset from the call's start (a pinned frame of the
+    prefix is seen wherever it is) and which keys are pinned (a pinned frame of the call itself stays seen by its
+    later chunks past the window's room); calls that agree on those share one mask.
     """
 
+    max_masks = 64  # masks kept (least recently used dropped), as for the biases
     max_biases = 64  # attention biases kept (least recently used dropped): a long rollout without a window sees
     # a new key layout every chunk, a windowed one cycles through a few
 
     def __init__(self) -> None:
-        self._masks: dict[tuple, Any] = {}
+        self._masks: OrderedDict[tuple, Any] = OrderedDict()
         self._biases: OrderedDict[tuple, Any] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._masks)
 
     def keys(self) -> list[tuple]:
-        """``(backend, device, window, chunk_layout, frame_seqlen, pinned_frames, recent_frames, pattern)``: the
-        prefix's pinned and unpinned key frames, and :meth:`KeyPlan.pattern`."""
+        """``(backend, device, window, chunk_layout, frame_seqlen, pinned_frames, recent_frames, (pattern,
+        pinned))``: the prefix's pinned and unpinned key frames, :meth:`KeyPlan.pattern` and :attr:`KeyPlan.pinned`
+        (least recently used first)."""
         return list(self._masks)
 
     def clear(self) -> None:
@@ -216,6 +219,10 @@ class BlockMaskMemo:
         if mask is None:
             build = build_flex_mask if backend == "flex" else build_sdpa_mask
             mask = self._masks[key] = build(window, start_frame, chunk_layout, frame_seqlen, device, keys)
+            while len(self._masks) > self.max_masks:
+                self._masks.popitem(last=False)
+        else:
+            self._masks.move_to_end(key)
         return mask
 
     @staticmethod
@@ -230,7 +237,7 @@ class BlockMaskMemo:
             frame_seqlen,
             keys.prefix_pinned,
             keys.prefix_recent,
-            keys.pattern(),
+            (keys.pattern(), tuple(keys.pinned)),  # the mask reads whether each key, the call's own too, is pinned
         )
 
     def bias(

@@ -25,13 +25,13 @@ def check_rope_and_sink_settings(
     rope_positions: Any,
     sink_update: Any,
     sink_decay: Any,
-    *,
-    window_name: str = "window_frames",
-    sink_name: str = "sink_frames",
 ) -> RopePositionMode:
-    """Raise ``ValueError`` for a positions mode or sink update that cannot work with ``window`` (the rule:
-    :func:`~fastgen_diffusers.settings.cache.check_key_positions`); returns the mode."""
-    check_key_positions(window, rope_positions, sink_update, sink_decay, window_name=window_name, sink_name=sink_name)
+    """Raise ``ValueError`` for a positions mode or sink update that cannot work with ``window`` (an engine's
+    ``window_frames`` and ``sink_frames``; the rule: :func:`~fastgen_diffusers.settings.cache.check_key_positions`);
+    returns the mode."""
+    check_key_positions(
+        window, rope_positions, sink_update, sink_decay, window_name="window_frames", sink_name="sink_frames"
+    )
     return ROPE_POSITION_MODES[rope_positions]
 
 

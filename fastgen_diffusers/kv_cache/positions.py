@@ -15,8 +15,8 @@ its mode gives it, and the call's queries at the positions of the call's own fra
 A mode is a function ``(frames, pins, rope_offset) -> positions``: ``frames`` are the absolute latent frames of the
 keys in the order the engine's ledger plans them (its prefix, then the call's own frames, or the static engine's slot
 order on its in-place path), ``pins`` the ledger's :class:`~fastgen_diffusers.kv_cache.sink.SinkRule` (which of them
-are pinned), the result one temporal position per frame. A new mode is one function and one
-:class:`RopePositionMode` entry in :data:`ROPE_POSITION_MODES`.
+are pinned), the result one temporal position per frame. A new mode is one function here (:data:`POSITION_RULES`)
+and its flags in :data:`fastgen_diffusers.settings.cache.KEY_POSITIONS`; :data:`ROPE_POSITION_MODES` pairs them.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..settings.cache import KEY_POSITIONS
 from .sink import SinkRule, sink_rule_of
 from .window import AttentionWindow
 
@@ -71,10 +72,15 @@ class RopePositionMode:
     bounded: bool = False
 
 
+POSITION_RULES: dict[str, PositionRule] = {
+    "absolute": absolute_positions,
+    "window": window_positions,
+    "anchor": anchor_positions,
+}
+
+# the flags of each mode are the settings' (KEY_POSITIONS, which the options are checked against); the rule is here
 ROPE_POSITION_MODES: dict[str, RopePositionMode] = {
-    "absolute": RopePositionMode(absolute_positions, keys_before_rope=False),
-    "window": RopePositionMode(window_positions, keys_before_rope=True, needs_window=True, bounded=True),
-    "anchor": RopePositionMode(anchor_positions, keys_before_rope=True, needs_window=True),
+    name: RopePositionMode(POSITION_RULES[name], **flags._asdict()) for name, flags in KEY_POSITIONS.items()
 }
 
 

@@ -25,28 +25,21 @@ from typing import Any
 
 import torch
 
-from ..settings.cache import KV_CACHE_DTYPE_NAMES
+from ..settings.cache import storage_dtype_name
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: Any, name: str = "kv_cache_dtype") -> torch.dtype | None:
+def resolve_kv_cache_dtype(kv_cache_dtype: Any) -> torch.dtype | None:
     """The storage dtype asked for: ``None`` (off: K/V stay in the compute dtype), ``torch.int8`` or
-    ``torch.float8_e4m3fn``, given as a dtype or by name. Anything else is a ``ValueError`` naming ``name``."""
-    if kv_cache_dtype is None:
+    ``torch.float8_e4m3fn``, given as a dtype or by name (parsed by
+    :func:`~fastgen_diffusers.settings.cache.storage_dtype_name`). Anything else is a ``ValueError``."""
+    dtype_name = storage_dtype_name(kv_cache_dtype)
+    if dtype_name is None:
         return None
-    accepted = f"None or one of {KV_CACHE_DTYPE_NAMES} (a torch dtype or its name)"
-    if isinstance(kv_cache_dtype, str):
-        dtype_name = kv_cache_dtype.removeprefix("torch.")
-    elif isinstance(kv_cache_dtype, torch.dtype):
-        dtype_name = str(kv_cache_dtype).removeprefix("torch.")
-    else:
-        raise ValueError(f"`{name}` must be {accepted}, got {kv_cache_dtype!r}.")
-    if dtype_name not in KV_CACHE_DTYPE_NAMES:
-        raise ValueError(f"`{name}` must be {accepted}, got {kv_cache_dtype!r}.")
     dtype = getattr(torch, dtype_name, None)
     if dtype is None:
         raise ValueError(
-            f"`{name}={kv_cache_dtype!r}` needs a torch with {dtype_name} (torch {torch.__version__} has none); "
-            "use 'int8'."
+            f"`kv_cache_dtype={kv_cache_dtype!r}` needs a torch with {dtype_name} (torch {torch.__version__} has "
+            "none); use 'int8'."
         )
     return dtype
 

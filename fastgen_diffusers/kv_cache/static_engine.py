@@ -38,13 +38,10 @@ from __future__ import annotations
 from typing import Any
 
 from .base import BaseKVCacheEngine
-from .plan import SlotPlan
 from .storage import SlotCopy, SlotStorage
 from .tags import TagState
 
-StaticSelfEntry = SlotStorage  # the storage of one block and tag (its former name)
-StaticCall = SlotPlan  # the in-place plan of a call (its former name)
-__all__ = ["SlotCopy", "StaticCall", "StaticKVCacheEngine", "StaticSelfEntry"]
+__all__ = ["SlotCopy", "StaticKVCacheEngine"]
 
 
 class StaticKVCacheEngine(BaseKVCacheEngine):

@@ -37,7 +37,7 @@ from typing import ClassVar
 import torch
 import torch._dynamo
 
-from .accounting import tensor_bytes
+from .accounting import expected_scale_bytes, expected_self_cache_bytes, tensor_bytes
 from .quantize import QuantizedFrames, quantize_frames, stored_tensors
 
 __all__ = [
@@ -225,11 +225,13 @@ class SlotStorage(KVStorage):
         """The cache formula over ``held_slots`` slots (never the capacity, which :attr:`nbytes` counts): K and V
         elements in the storage dtype, plus one float32 scale per (sample, slot, head) each under an 8-bit codec."""
         layout = self.layout
-        data = self.key.data if isinstance(self.key, QuantizedFrames) else self.key
-        per_slot = layout.batch_size * layout.frame_seqlen * layout.num_heads * layout.head_dim * data.element_size()
-        if isinstance(self.key, QuantizedFrames):
-            per_slot += layout.batch_size * layout.num_heads * self.key.scale.element_size()
-        return 2 * held_slots * per_slot
+        quantized = isinstance(self.key, QuantizedFrames)
+        data = self.key.data if quantized else self.key
+        tokens = held_slots * layout.frame_seqlen
+        held = expected_self_cache_bytes(1, layout.batch_size, layout.num_heads, tokens, layout.head_dim, data.dtype)
+        if quantized:
+            held += expected_scale_bytes(1, layout.batch_size, layout.num_heads, held_slots)
+        return held
 
     def reserve(self, slots: int, most: int | None = None) -> None:
         """Grow to at least twice the capacity (at most ``most`` slots, at least ``slots``) when ``slots`` do not
@@ -314,7 +316,7 @@ class ChunkListStorage(KVStorage):
         self.values: list[Stored] = []
         self.starts: list[int] = []
 
-    def runs(self, frame_seqlen: int | None = None):
+    def runs(self):
         """``(start, end, key, value)`` of every stored run."""
         seqlen = self.layout.frame_seqlen
         for start, key, value in zip(self.starts, self.keys, self.values):

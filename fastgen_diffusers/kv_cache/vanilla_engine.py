@@ -12,8 +12,6 @@ from __future__ import annotations
 from .base import BaseKVCacheEngine
 from .storage import ChunkListStorage
 
-VanillaSelfEntry = ChunkListStorage  # the storage of one block and tag (its former name)
-
 
 class VanillaKVCacheEngine(BaseKVCacheEngine):
     """List-of-runs self cache and dense cross cache (exported as ``KVCacheEngine``).

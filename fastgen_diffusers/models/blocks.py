@@ -13,6 +13,23 @@ from diffusers.models.transformers.transformer_wan_vace import WanVACETransforme
 from ..context import CausalBlockView
 
 
+def _modulation(block: WanTransformerBlock | WanVACETransformerBlock, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(shift, scale, gate, c_shift, c_scale, c_gate)``, ``(B, F, 1, D)`` each, from the ``(B, F, 6, D)``
+    per-frame timestep projection ``temb``."""
+    return (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+
+
+def _self_attention_input(
+    block: WanTransformerBlock | WanVACETransformerBlock,
+    hidden_states: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """``(B, F*S, D)``: ``norm1`` of the tokens modulated per frame, the input of the self-attention."""
+    norm_hidden_states = block.norm1(hidden_states.float()).unflatten(1, (shift.shape[1], -1)) * (1 + scale) + shift
+    return norm_hidden_states.flatten(1, 2).type_as(hidden_states)
+
+
 def causal_block_forward(
     block: WanTransformerBlock | WanVACETransformerBlock,
     hidden_states: torch.Tensor,
@@ -39,14 +56,10 @@ def causal_block_forward(
     def per_frame(x: torch.Tensor) -> torch.Tensor:  # (B, F*S, D) -> (B, F, S, D)
         return x.unflatten(1, (num_frames, -1))
 
-    # (B, F, 1, D) each
-    shift, scale, gate, c_shift, c_scale, c_gate = (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(
-        6, dim=2
-    )
+    shift, scale, gate, c_shift, c_scale, c_gate = _modulation(block, temb)
 
     # 1. Self-attention
-    norm_hidden_states = per_frame(block.norm1(hidden_states.float())) * (1 + scale) + shift
-    norm_hidden_states = norm_hidden_states.flatten(1, 2).type_as(hidden_states)
+    norm_hidden_states = _self_attention_input(block, hidden_states, shift, scale)
     attn_output = block.attn1(norm_hidden_states, None, None, rotary_emb, causal_context=causal_context)
     hidden_states = (per_frame(hidden_states.float()) + per_frame(attn_output) * gate).flatten(1, 2)
     hidden_states = hidden_states.type_as(attn_output)
@@ -82,10 +95,8 @@ def causal_block_store_only(
     """What the last block of a store-only forward leaves in the caches, and nothing else: its self-attention K/V
     (from the same modulated input as :func:`causal_block_forward`) and the cross K/V it fills. The attention
     outputs, the feed-forward and the block's output are not computed (nothing reads them)."""
-    num_frames = temb.shape[1]
-    shift, scale = (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)[:2]
-    norm_hidden_states = block.norm1(hidden_states.float()).unflatten(1, (num_frames, -1)) * (1 + scale) + shift
-    norm_hidden_states = norm_hidden_states.flatten(1, 2).type_as(hidden_states)
+    shift, scale = _modulation(block, temb)[:2]
+    norm_hidden_states = _self_attention_input(block, hidden_states, shift, scale)
     block.attn1.processor.store_only(block.attn1, norm_hidden_states, rotary_emb, causal_context=causal_context)
     block.attn2.processor.store_only(block.attn2, encoder_hidden_states, causal_context=causal_context)
 

@@ -562,15 +562,21 @@ class CausalWanMixin:
             causal_block_store_only(last, hidden_states, context, timestep_proj, rotary_emb, views[len(blocks)])
             return hidden_states
         for block, attention_inputs, view in zip(blocks, block_inputs, views):
-            attention_inputs.self_attn.load()
-            if torch.is_grad_enabled() and self.gradient_checkpointing:
-                hidden_states = self._gradient_checkpointing_func(
-                    block, hidden_states, context, timestep_proj, rotary_emb, view
-                )
-            else:
-                hidden_states = block(hidden_states, context, timestep_proj, rotary_emb, view)
-            attention_inputs.self_attn.release()
+            hidden_states = self._run_block(
+                block, attention_inputs, hidden_states, context, timestep_proj, rotary_emb, view
+            )
         return hidden_states
+
+    def _run_block(self, block, attention_inputs, *args):
+        """``block(*args)``, checkpointed when training under gradient checkpointing, with the prefix of
+        ``attention_inputs`` (its :class:`BlockAttentionInputs`) gathered before and dropped after."""
+        attention_inputs.self_attn.load()
+        if torch.is_grad_enabled() and self.gradient_checkpointing:
+            out = self._gradient_checkpointing_func(block, *args)
+        else:
+            out = block(*args)
+        attention_inputs.self_attn.release()
+        return out
 
     def _output_head(self, hidden_states, temb, batch_size, post_f, post_h, post_w) -> torch.Tensor:
         """Per-frame modulated output norm, projection and unpatchify to ``(B, C_out, F, H, W)``.

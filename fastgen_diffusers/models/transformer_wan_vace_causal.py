@@ -168,14 +168,9 @@ class WanCausalVACETransformer3DModel(CausalWanMixin, WanVACETransformer3DModel)
         control = self.vace_patch_embedding(control_hidden_states).flatten(2).transpose(1, 2)  # (B, F*S, D)
         hints = []
         for block, inputs, view in zip(self.vace_blocks, block_inputs, views):
-            inputs.self_attn.load()
-            if torch.is_grad_enabled() and self.gradient_checkpointing:
-                hint, control = self._gradient_checkpointing_func(
-                    block, hidden_states, context, control, timestep_proj, rotary_emb, view
-                )
-            else:
-                hint, control = block(hidden_states, context, control, timestep_proj, rotary_emb, view)
-            inputs.self_attn.release()
+            hint, control = self._run_block(
+                block, inputs, hidden_states, context, control, timestep_proj, rotary_emb, view
+            )
             hints.append(hint)
         return hints
 

@@ -150,6 +150,8 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
     model_cpu_offload_seq = "text_encoder->transformer->vae->decoder"
     _optional_components = ["tokenizer", "text_encoder", "transformer", "decoder"]
     _transformer_class = WanCausalTransformer3DModel
+    # What the pipeline encodes with `vae` beyond what the tiny autoencoder can (None: it takes either autoencoder)
+    _needs_wan_vae_for: str | None = None
 
     def __init__(
         self,
@@ -182,6 +184,13 @@ class WanCausalPipeline(HubPipelineMixin, DiffusionPipeline, WanLoraLoaderMixin,
                 f"with `{type(self).__name__}.from_pretrained` / `.from_pipe`, which convert a plain Wan transformer, "
                 "or convert it with `causal_transformer_from_wan` / `causal_transformer_from_wan_vace` (weights are "
                 "shared)."
+            )
+        if self._needs_wan_vae_for is not None and isinstance(vae, AutoencoderTinyWan):
+            raise ValueError(
+                f"`vae` must be the Wan VAE (AutoencoderKLWan) for {type(self).__name__}: it encodes "
+                f"{self._needs_wan_vae_for} with the VAE's latent distribution and statistics, which the tiny "
+                "autoencoder (AutoencoderTinyWan) does not have. Pass the tiny one as the decode-only `decoder=` "
+                "component instead (fast `stream()` previews; `__call__` decodes with `vae`)."
             )
         if decoder is not None and not isinstance(decoder, AutoencoderTinyWan):
             raise ValueError(

@@ -149,6 +149,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
     """
 
     model_cpu_offload_seq = "text_encoder->image_encoder->transformer->vae->decoder"
+    _needs_wan_vae_for = "the image or clip"
     _optional_components = [
         "tokenizer", "text_encoder", "transformer", "decoder", "image_processor", "image_encoder"
     ]  # fmt: skip
@@ -245,7 +246,7 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
         return RolloutShape(height, width, options.num_frames)
 
     def check_conditioning_fits(self, options: ImageToVideoOptions, bounds: Sequence[tuple[int, int]]) -> None:
-        self.check_context_frames(options.video, options.num_frames, options.chunk_size)
+        self.check_context_frames(options.video, options.num_frames, bounds, options.chunk_size)
 
     def prepare_conditioner(
         self, options: ImageToVideoOptions, shape: RolloutShape, batch_size: int, device: torch.device
@@ -372,20 +373,21 @@ class WanCausalImageToVideoPipeline(WanCausalPipeline):
 
         return height, width
 
-    def check_context_frames(self, video: Any, num_frames: int, chunk_size: int | None) -> None:
-        """T2V students: the image (1 frame) or the clip must fill whole chunks of the rollout and leave some to
-        generate; raise ``ValueError`` otherwise. Other layouts take no given chunks."""
+    def check_context_frames(
+        self, video: Any, num_frames: int, bounds: Sequence[tuple[int, int]], chunk_size: int | None
+    ) -> None:
+        """T2V students: the image (1 frame) or the clip must fill whole chunks of the rollout (its chunks ``bounds``)
+        and leave some to generate; raise ``ValueError`` otherwise. Other layouts take no given chunks."""
         if self.i2v_layout != T2V_STUDENT:
             return
         name = "image" if video is None else "video"
         num_pixel_frames = 1 if video is None else clip_layout(video, "video")[0]
-        num_latent_frames = (num_frames - 1) // self.vae_scale_factor_temporal + 1
         config = self.transformer.config
         check_given_frames(
             name,
             num_pixel_frames,
             num_frames,
-            self.rollout_chunk_bounds(num_latent_frames, chunk_size),
+            bounds,
             chunk_size or config.chunk_size,
             config.independent_first_frame,
             self.vae_scale_factor_temporal,

@@ -230,12 +230,12 @@ class WanCausalVideoToVideoPipeline(WanCausalPipeline):
 
     @exclusive_rollout("pipe(...)")
     def generate(self, options: VideoToVideoOptions) -> WanPipelineOutput | tuple:
-        """The body of ``__call__``: prepare, restyle chunk by chunk, decode the finished chunks."""
+        """The body of ``__call__``: prepare, restyle chunk by chunk, each chunk decoded as it comes (as in
+        [`CausalRolloutMixin.run_and_decode_chunks`])."""
         run = self.prepare_rollout(options)
-        chunks = list(run.chunks())
+        chunks, pixels = self.run_and_decode_chunks(run)
         if not chunks:
             raise RuntimeError("The rollout was interrupted before its first chunk finished: no frames to return.")
-        pixels = [chunk.pixels for chunk in chunks]  # decoded by the recompute policy already
         return self.finish_output(
             torch.cat([chunk.latents for chunk in chunks], dim=2),
             run.options.output_type,

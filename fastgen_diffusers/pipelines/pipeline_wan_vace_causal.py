@@ -55,6 +55,7 @@ class WanCausalVACEPipeline(WanCausalPipeline):
     """
 
     _transformer_class = WanCausalVACETransformer3DModel
+    _needs_wan_vae_for = "the control video and reference images"
     _options_class = VACEOptions
 
     def __init__(

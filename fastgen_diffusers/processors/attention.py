@@ -247,15 +247,11 @@ class WanCausalAttnProcessor:
 
         query, key, value = _get_qkv_projections(attn, hidden_states, None)  # (B, L, H*D)
         query = rms_norm_fp32(attn.norm_q, query).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
-        key = rms_norm_fp32(attn.norm_k, key).unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
         cp_config = context_parallel_config(self)
         if cp_config is not None:  # (B, F*S/P, H, D) -> (B, F*S, H/P, D): the whole call for this rank's heads
-            num_frames = block_inputs.num_frames
-            query, key, value = (sequence_to_heads(t, num_frames, cp_config) for t in (query, key, value))
+            query = sequence_to_heads(query, block_inputs.num_frames, cp_config)
         query = apply_rotary_emb(query, rotary_emb)
-        if inputs.key_rotary is None:  # keys held after RoPE; else un-rotated, rotated where attended
-            key = apply_rotary_emb(key, rotary_emb)
+        key, value = _self_key_value(attn, key, value, rotary_emb, block_inputs, cp_config)
 
         full_key, full_value = inputs.cache.attend(key, value)
         if inputs.key_rotary is not None:  # keys held before RoPE: rotate every key read
@@ -280,19 +276,26 @@ class WanCausalAttnProcessor:
         cache view as ``__call__`` hands them (written into their slots, or handed back to be stored); no query, no
         prefix gathered, no attention."""
         block_inputs = _block_inputs(causal_context, attn, self)
-        inputs = block_inputs.self_attn
         if attn.fused_projections:
             _, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         else:
             key, value = attn.to_k(hidden_states), attn.to_v(hidden_states)
-        key = rms_norm_fp32(attn.norm_k, key).unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
-        cp_config = context_parallel_config(self)
-        if cp_config is not None:
-            key, value = (sequence_to_heads(t, block_inputs.num_frames, cp_config) for t in (key, value))
-        if inputs.key_rotary is None:
-            key = apply_rotary_emb(key, rotary_emb)
-        inputs.cache.attend(key, value)
+        key, value = _self_key_value(attn, key, value, rotary_emb, block_inputs, context_parallel_config(self))
+        block_inputs.self_attn.cache.attend(key, value)
+
+
+def _self_key_value(attn, key, value, rotary_emb, block_inputs, cp_config) -> tuple[torch.Tensor, torch.Tensor]:
+    """This call's projected ``(B, L, H*D)`` K/V as the cache view takes them (the K/V half of
+    :meth:`WanCausalAttnProcessor.__call__`, shared with its ``store_only``): the key normalized, both split into
+    heads, under context parallelism the whole call for this rank's heads, the key rotated when keys are held after
+    RoPE (else held un-rotated, rotated where attended)."""
+    key = rms_norm_fp32(attn.norm_k, key).unflatten(2, (attn.heads, -1))
+    value = value.unflatten(2, (attn.heads, -1))
+    if cp_config is not None:
+        key, value = (sequence_to_heads(t, block_inputs.num_frames, cp_config) for t in (key, value))
+    if block_inputs.self_attn.key_rotary is None:
+        key = apply_rotary_emb(key, rotary_emb)
+    return key, value
 
 
 class WanCausalCrossAttnProcessor:

@@ -106,11 +106,16 @@ class RolloutRun:
         ``prompt_transition_chunks``), with the call's switch settings (``recache``, whose history a run with
         ``recache=True`` keeps from its start, ``recache_sink``, ``kv_flush``). The caller picks a chunk that has not
         begun (a begun chunk never reads it)."""
+        options = self.options
+        n = self.session.prompt_transition_chunks if transition_chunks is None else transition_chunks
         if transition_chunks is not None:
-            # the call's prompt schedule with this transition (a KV flush or a scene cut switches at once)
-            self.options.settings.prompts.replace(prompt_transition_chunks=transition_chunks)
-            self.session.prompt_transition_chunks = transition_chunks
-        check_transition_embeds(self.session.prompt_transition_chunks, self.session.prompt_embeds, {0: prompt_embeds})
+            # the call's settings with this transition, checked as a whole (a KV flush or a scene cut switches at once)
+            settings = options.settings.replace(prompts=options.settings.prompts.replace(prompt_transition_chunks=n))
+            options = replace(options, prompt_transition_chunks=n, settings=settings)
+        check_transition_embeds(n, self.session.prompt_embeds, {0: prompt_embeds})
+        # every check passed: only now the run changes
+        self.options = options
+        self.session.prompt_transition_chunks = n
         self.prompt_switches[chunk_index] = prompt_embeds
 
     def endless(self) -> RolloutRun:
@@ -293,7 +298,8 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         chunk_size = options.chunk_size or self.transformer.config.chunk_size
         options.settings.check_chunks(bounds, chunk_size, leading_frames=shape.num_reference_frames)
         schedule, first_schedule = self.call_schedules(options)
-        rolling = self.check_rolling_rollout(options, bounds, len(schedule["sigmas"]))
+        policy = self.select_policy(options)  # once: the checks below and the run use this one
+        rolling = self.check_rolling_rollout(options, bounds, len(schedule["sigmas"]), policy)
 
         # 2. Encode input prompt
         device = self._execution_device
@@ -330,7 +336,6 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         session = self.open_call_session(
             options, conditioner, prompt_embeds, negative_prompt_embeds, schedule, first_schedule, switch_rule, refs
         )
-        policy = rolling or self.select_policy(options)
         return RolloutRun(self, session, plan, NoiseSource(latents), options, switches, refs, policy)
 
     def open_call_session(
@@ -422,28 +427,11 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         """The body of every causal pipeline's ``__call__``: prepare, roll out chunk by chunk, decode."""
         run = self.prepare_rollout(options)
         latents = run.source.noise.clone()
-        # Each chunk is decoded as it comes, with the streamed decoder `stream()` uses (the same frames, bit for bit;
-        # on a side CUDA stream while the next chunk denoises under `enable_decode_overlap`), unless tiling decodes
-        # differently or the VAE is offloaded (model CPU offload would move the transformer out and back for every
-        # chunk): then the latents are decoded once at the end.
-        decodes = run.options.output_type != "latent" and is_main_process(self.transformer)
-        chunk_decoder = None
-        if decodes and not self.vae.use_tiling and not hasattr(self.vae, "_hf_hook"):
-            chunk_decoder = OverlappedDecoder(streaming_decoder(self.vae), latents.device, overlap=self.decode_overlap)
 
         # 6. Denoising loop: the causal rollout, chunk by chunk, each chunk's decode queued before the next denoises
-        # (a policy that decoded a chunk itself, recompute's re-encoding, hands its frames over: then it decodes all)
-        pixels: list[torch.Tensor | DecodedChunk | None] = []
-        for chunk in run.chunks():
+        chunks, pixels = self.run_and_decode_chunks(run)
+        for chunk in chunks:
             latents[:, :, chunk.start : chunk.end] = chunk.latents
-            video = chunk.latents[:, :, max(0, run.num_reference_frames - chunk.start) :]
-            if chunk_decoder is not None and chunk.pixels is None and video.shape[2] > 0:
-                pixels.append(chunk_decoder.submit(video))
-            else:
-                pixels.append(chunk.pixels)
-        if chunk_decoder is not None:
-            chunk_decoder.decoder.close()
-            pixels = [p.frames() if isinstance(p, DecodedChunk) else p for p in pixels]
 
         # 7. Decode, offload all models
         complete = len(pixels) == len(run.plan.spans) and all(p is not None for p in pixels)
@@ -453,6 +441,39 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
             run.options.return_dict,
             pixels=pixels if complete else None,
         )
+
+    def run_and_decode_chunks(self, run: RolloutRun) -> tuple[list[ChunkRecord], list[torch.Tensor | None]]:
+        """Run ``run``'s chunks for ``__call__``, each decoded as it comes with the streamed decoder ``stream()`` uses
+        (the same frames, bit for bit; on a side CUDA stream while the next chunk denoises under
+        [`enable_decode_overlap`]), unless tiling decodes differently or the VAE is offloaded (model CPU offload would
+        move the transformer out and back for every chunk): then nothing is decoded here and [`finish_output`]
+        decodes the latents once at the end. A chunk the policy decoded itself (recompute's re-encoding) hands its
+        frames over.
+
+        Returns:
+            The finished chunks, and per chunk its new frames in [-1, 1] (``(B, 3, f, H*8, W*8)``), ``None`` for a
+            chunk not decoded (no decode, or reference frames only).
+        """
+        decodes = run.options.output_type != "latent" and is_main_process(self.transformer)
+        chunk_decoder = None
+        if decodes and not self.vae.use_tiling and not hasattr(self.vae, "_hf_hook"):
+            chunk_decoder = OverlappedDecoder(
+                streaming_decoder(self.vae), self._execution_device, overlap=self.decode_overlap
+            )
+        chunks: list[ChunkRecord] = []
+        pixels: list[torch.Tensor | DecodedChunk | None] = []
+        try:
+            for chunk in run.chunks():
+                chunks.append(chunk)
+                video = chunk.latents[:, :, max(0, run.num_reference_frames - chunk.start) :]
+                if chunk_decoder is not None and chunk.pixels is None and video.shape[2] > 0:
+                    pixels.append(chunk_decoder.submit(video))
+                else:
+                    pixels.append(chunk.pixels)
+        finally:
+            if chunk_decoder is not None:
+                chunk_decoder.decoder.close()
+        return chunks, [p.frames() if isinstance(p, DecodedChunk) else p for p in pixels]
 
     def finish_output(
         self,
@@ -649,10 +670,7 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
         (``"window"``) serves a video of any length. ``positions_bounded``: the policy keeps RoPE positions below a
         few chunks (as recompute does), so the video may outgrow the RoPE table too."""
         config = self.transformer.config
-        if chunk_size is not None and (
-            not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
-        ):
-            raise ValueError(f"`chunk_size` must be a positive number of latent frames or None, got {chunk_size!r}.")
+        self.check_chunk_size(chunk_size)
         check_rope_table(
             num_latent_frames,
             config.rope_max_seq_len,
@@ -660,7 +678,22 @@ class CausalRolloutMixin(PromptScheduleMixin, PolicyChoiceMixin, KVCacheOptionsM
             positions_bounded=positions_bounded,
             rope_rebasing=getattr(self.transformer, "rope_rebasing", False),
         )
-        for start, end in self.rollout_chunk_bounds(num_latent_frames, chunk_size):
+        self.check_chunks_served(chunk_size, self.rollout_chunk_bounds(num_latent_frames, chunk_size))
+
+    @staticmethod
+    def check_chunk_size(chunk_size: Any) -> None:
+        """Raise ``ValueError`` unless ``chunk_size`` is ``None`` or a positive number of latent frames (a call's or a
+        continuation's)."""
+        if chunk_size is not None and (
+            not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+        ):
+            raise ValueError(f"`chunk_size` must be a positive number of latent frames or None, got {chunk_size!r}.")
+
+    def check_chunks_served(self, chunk_size: int | None, bounds: Sequence[tuple[int, int]]) -> None:
+        """Raise ``ValueError`` when the transformer's causal mask would split one of the chunks ``bounds`` (made with
+        ``chunk_size``) into several (a call's chunks or a continuation's)."""
+        config = self.transformer.config
+        for start, end in bounds:
             served = self.transformer.chunk_layout_for(end - start, start)
             if served != (end - start,):
                 raise ValueError(

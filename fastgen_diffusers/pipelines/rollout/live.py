@@ -214,18 +214,11 @@ class LiveRolloutMixin(CausalRolloutMixin):
         temporal = self.vae_scale_factor_temporal
         if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1 or num_frames % temporal:
             raise ValueError(f"`num_frames` must be a positive multiple of {temporal}, got {num_frames!r}.")
-        if chunk_size is not None and (
-            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-        ):
-            raise ValueError(f"`chunk_size` must be a positive number of latent frames or None, got {chunk_size!r}.")
+        self.check_chunk_size(chunk_size)
         chunk_size = self.transformer.config.chunk_size if chunk_size is None else chunk_size
         start = kept.num_latent_frames
         bounds = [(start + s, start + e) for s, e in chunk_bounds(chunk_layout(num_frames // temporal, chunk_size))]
-        for s, e in bounds:
-            if self.transformer.chunk_layout_for(e - s, s) != (e - s,):
-                raise ValueError(
-                    f"`chunk_size={chunk_size}` cannot be served by the transformer at frames [{s}, {e})."
-                )
+        self.check_chunks_served(chunk_size, bounds)
         return self._resume_rollout(
             branch, bounds, kept.chunks[-1].latents.shape, prompt, prompt_embeds, recache, generator, latents,
             output_type, return_dict, max_sequence_length,
@@ -291,6 +284,7 @@ class LiveRolloutMixin(CausalRolloutMixin):
         ``before_rollout`` runs once every input is checked and encoded, right before the rollout (``redo`` drops
         the chunk it regenerates there, so that a bad input leaves the kept rollout as it was).
         """
+        session = self.kept_rollout(branch)
         validate_call_arguments(
             {
                 "prompt": prompt,
@@ -304,14 +298,14 @@ class LiveRolloutMixin(CausalRolloutMixin):
         )
         if prompt is not None and prompt_embeds is not None:
             raise ValueError("Pass either `prompt` or `prompt_embeds`, not both.")
-        if recache and isinstance(self.kept_rollout(branch).policy, RecomputePolicy):
+        if recache and isinstance(session.policy, RecomputePolicy):
             raise ValueError(
                 f"`recache=True` has nothing to do on the kept rollout {branch!r}: it runs `kv_cache_policy="
                 "'recompute'`, which rebuilds the cache under the current prompt before every chunk. Accepted: "
                 "recache=False."
             )
         if recache:  # the kept rollout's prompt-switch options with this recache (a KV flush replaces it)
-            PromptSchedule(recache=True, kv_flush=self.kept_rollout(branch).switch_rule.kv_flush)
+            PromptSchedule(recache=True, kv_flush=session.switch_rule.kv_flush)
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
         config = self.transformer.config
@@ -322,10 +316,9 @@ class LiveRolloutMixin(CausalRolloutMixin):
                 bounds[-1][1],
                 config.rope_max_seq_len,
                 engine.rope_positions,
-                positions_bounded=isinstance(self.kept_rollout(branch).policy, RecomputePolicy),
+                positions_bounded=isinstance(session.policy, RecomputePolicy),
                 rope_rebasing=getattr(self.transformer, "rope_rebasing", False),
             )
-        session = self.kept_rollout(branch)
         device = self._execution_device
         new_embeds = None
         if prompt is not None or prompt_embeds is not None:
@@ -362,7 +355,7 @@ class LiveRolloutMixin(CausalRolloutMixin):
             ):
                 pass
             checkpoint.commit_if(session.num_latent_frames == bounds[-1][1])
-        return self.finish_output(self.kept_rollout(branch).video_latents, output_type, return_dict)
+        return self.finish_output(session.video_latents, output_type, return_dict)
 
 
 def stream_to_video(

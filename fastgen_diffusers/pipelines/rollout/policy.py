@@ -87,18 +87,15 @@ class SequentialPolicy(RolloutPolicy):
     runs_open_ended_plans = True
 
     def run(self, pipe, session, plan, source, **options):
-        if isinstance(plan, OpenEndedChunkPlan):  # chunks as they are asked for; none is the last, steps unknown
-            chunks = (
-                (span, False, partial(self._noise_start, pipe.scheduler, source, span, schedule))
-                for span, schedule in plan
+        # An open-ended plan's chunks come as they are asked for: none is the last, the steps are unknown.
+        open_ended = isinstance(plan, OpenEndedChunkPlan)
+        last_index = None if open_ended else plan.spans[-1].index
+        num_timesteps = None
+        if not open_ended:
+            conditioner = session.conditioner
+            num_timesteps = sum(
+                len(schedule["sigmas"]) for span, schedule in plan if conditioner.given_latents(span) is None
             )
-            yield from self.run_chunks(pipe, session, chunks, None, **options)
-            return
-        conditioner = session.conditioner
-        num_timesteps = sum(
-            len(schedule["sigmas"]) for span, schedule in plan if conditioner.given_latents(span) is None
-        )
-        last_index = plan.spans[-1].index
         chunks = (
             (span, span.index == last_index, partial(self._noise_start, pipe.scheduler, source, span, schedule))
             for span, schedule in plan

@@ -131,11 +131,16 @@ class PolicyChoiceMixin:
             )
 
     def check_rolling_rollout(
-        self, options: RolloutOptions, bounds: Sequence[tuple[int, int]], num_levels: int
+        self,
+        options: RolloutOptions,
+        bounds: Sequence[tuple[int, int]],
+        num_levels: int,
+        policy: RolloutPolicy | None = None,
     ) -> RollingPolicy | None:
         """The [`RollingPolicy`] of a call whose policy is the rolling one (``None`` for any other), once the pipeline
-        and the chunking are checked to suit it (``ValueError`` before any work otherwise)."""
-        policy = self.select_policy(options)
+        and the chunking are checked to suit it (``ValueError`` before any work otherwise). ``policy``: the call's
+        [`select_policy`], when the caller has it already."""
+        policy = self.select_policy(options) if policy is None else policy
         if not isinstance(policy, RollingPolicy):
             return None
         options.settings.active_policy.check_chunks(bounds, num_levels, self.transformer.config.rope_max_seq_len)

@@ -55,13 +55,6 @@ from .policy import SequentialPolicy
 from .session import STORE_ONLY, RolloutSession
 
 
-def fork_decoder(
-    decoder: StreamingWanDecoder | StreamingTinyWanDecoder,
-) -> StreamingWanDecoder | StreamingTinyWanDecoder:
-    """A decoder that goes on from where ``decoder`` is, leaving ``decoder`` as it is (no tensor copied)."""
-    return decoder.fork()
-
-
 @dataclass(frozen=True)
 class ContextFrames:
     """What a recompute rollout keeps of its finished chunks to build the next context (on the session).
@@ -100,7 +93,7 @@ class ContextFrames:
             decoder, decoded = None, None
         video = clean[:, :, max(0, num_reference_frames - start) :]
         if decoder is not None and video.shape[2] > 0:
-            decoder = fork_decoder(decoder)
+            decoder = decoder.fork()  # goes on from here, leaving the kept state as it is
             pixels = decoder.decode(video)
             decoded = pixels if decoded is None else torch.cat([decoded, pixels], dim=2)
             keep = 1 + (context_frames - 1) * decoder.vae.config.scale_factor_temporal
@@ -131,7 +124,7 @@ class ContextFrames:
         """The same state for a forked branch (the decoder's cache list copied, the tensors shared)."""
         if self.decoder is None:
             return self
-        return replace(self, decoder=fork_decoder(self.decoder))
+        return replace(self, decoder=self.decoder.fork())
 
 
 @torch.no_grad()

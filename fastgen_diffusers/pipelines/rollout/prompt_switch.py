@@ -31,6 +31,9 @@ from ...chunking import ChunkSpan
 FLUSH_KEEP_FRAMES = 2
 # Infinity-RoPE's `rope_cut(..., transition_from=45)`: the cut chunk's frames sit at temporal positions 45, 46, ...
 ROPE_CUT_POSITION = 45
+# A cache pass stores its chunk's K/V and nothing reads its prediction: the transformer skips what only the
+# prediction needs (the last block's attention outputs and feed-forward, the output head).
+STORE_ONLY = {"store_only": True}
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def recache_keeping_sink(session: Any, timestep: torch.Tensor, cache_tag: str) -
         if each.tag_state(cache_tag) is not None:
             each.truncate(cache_tag, start)
     span = ChunkSpan(pieces[0].chunk_index, start, end)
-    options = {"chunk_layout": (end - start,), "store_only": True}  # the prediction is not read
+    options = {"chunk_layout": (end - start,), **STORE_ONLY}  # the prediction is not read
     session.forward(span, context, timestep, cache_tag=cache_tag, store_kv=True, call_options=options)
     stored_chunks = tuple(min(chunk.end, end) - max(chunk.start, start) for chunk in pieces)
     for each in session.transformer.kv_cache_engines.values():

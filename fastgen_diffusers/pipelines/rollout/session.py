@@ -19,6 +19,7 @@ from ...chunking import ChunkSpan
 from .conditioning import Conditioner
 from .prompt_switch import (
     ROPE_CUT_POSITION,
+    STORE_ONLY,
     PromptSwitchRule,
     flush_caches,
     recache_keeping_sink,
@@ -28,9 +29,6 @@ from .prompt_switch import (
 from .records import ChunkRecord
 
 MAIN_BRANCH = "main"
-# A cache pass stores its chunk's K/V and nothing reads its prediction: the transformer skips what only the
-# prediction needs (the last block's attention outputs and feed-forward, the output head).
-STORE_ONLY = {"store_only": True}
 
 
 def branch_cache_tags(branch: str) -> tuple[str, str]:
