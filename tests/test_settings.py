@@ -318,3 +318,18 @@ def test_a_new_policy_registers_its_name_options_and_check():
     assert set(POLICIES) == {"sequential", "recompute", "rolling"}
     assert RollingSettings().attention_frames(None) == 21
     assert AttentionWindow(9, 3).room == 6
+
+
+def test_a_settings_value_merges_by_the_rule_rollout_settings_use():
+    """``CacheSettings.merge`` takes the sink rule of ``merge_cache`` (a call's own ``sink_update`` drops the stored
+    decay), as ``RolloutSettings.merge`` does, and ``SamplingSettings.merge`` the schedule rule."""
+    sink = {"sink_frames": 3, "attention_window": 6, "rope_positions": "window"}
+    stored = CacheSettings(sink_update="ema", sink_decay=0.9, **sink)
+    merged = stored.merge(sink_update="fixed")
+    rollout = RolloutSettings.from_arguments(sink_update="ema", sink_decay=0.9, **sink).merge(sink_update="fixed")
+    assert merged == rollout.cache and merged.sink_update == "fixed" and merged.sink_decay is None
+    assert stored.merge(CacheSettings(sink_update="fixed", **sink)) == merged
+    schedule = SamplingSettings(timesteps=(999, 500)).merge(num_inference_steps=4)
+    assert schedule.num_inference_steps == 4 and schedule.timesteps is None
+    with pytest.raises(ValueError, match="no setting"):
+        SamplingSettings().merge(bogus=1)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field, fields, replace
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 SETTINGS_VERSION = 1
 
@@ -84,6 +84,10 @@ def merge_values(cls: type, stored: Mapping[str, Any], call: Mapping[str, Any]) 
 class SettingsValue:
     """Mixin of the frozen settings dataclasses (see the module docstring)."""
 
+    # ``(stored, call) -> values``: how [`merge`] lays a call's values over the stored ones; a class with a rule of its
+    # own (a schedule, the sink) sets its merge function here, so that ``merge`` and ``RolloutSettings`` agree
+    merge_rule: ClassVar[Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]]] = classmethod(merge_values)
+
     # ------------------------------------------------------------------ fields and help
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -109,8 +113,8 @@ class SettingsValue:
         unknown = sorted(set(overrides) - set(self.field_names()))
         if unknown:
             raise ValueError(f"{type(self).__name__} has no setting {unknown}; accepted: {self.field_names()}.")
-        values = merge_values(type(self), {name: getattr(self, name) for name in self.field_names()}, call)
-        return type(self)(**merge_values(type(self), values, overrides))
+        values = self.merge_rule({name: getattr(self, name) for name in self.field_names()}, call)
+        return type(self)(**self.merge_rule(values, overrides))
 
     # ------------------------------------------------------------------ JSON
     def values(self) -> dict[str, Any]:

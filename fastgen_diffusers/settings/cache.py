@@ -172,6 +172,8 @@ def merge_cache(stored: Mapping[str, Any], call: Mapping[str, Any]) -> dict[str,
 class CacheSettings(SettingsValue):
     """The KV cache of a call. ``None`` fields are unset: a stored value (or the default) stands."""
 
+    merge_rule = staticmethod(merge_cache)  # a call's own sink rule takes its own decay; kv_cache_engine=None its own
+
     kv_cache_engine: str | None = setting(
         "static",
         "'static' (buffers allocated once, written in place), 'vanilla' (a list of chunk tensors) or None (keep the "

@@ -46,6 +46,8 @@ def merge_schedule(stored: Mapping[str, Any], call: Mapping[str, Any]) -> dict[s
 class SamplingSettings(SettingsValue):
     """How every chunk is sampled. ``None`` fields are unset: a stored value (or the default) stands."""
 
+    merge_rule = staticmethod(merge_schedule)  # a call's own schedule replaces the stored one
+
     num_inference_steps: int | None = setting(
         None,
         "Denoising steps per chunk; without it (and without timesteps/sigmas) the model's stored timesteps are "
@@ -97,11 +99,6 @@ class SamplingSettings(SettingsValue):
             check_real("shift", self.shift)
             if self.shift <= 0:
                 raise ValueError(f"`shift` must be a positive number, got {self.shift}.")
-
-    def merge(self, other: SamplingSettings | None = None, **overrides: Any) -> SamplingSettings:
-        """Field by field (see [`SettingsValue.merge`]), with the schedule rule of [`merge_schedule`]."""
-        call = {} if other is None else {name: getattr(other, name) for name in self.field_names()}
-        return SamplingSettings(**merge_schedule(self.values(), {**call, **overrides}))
 
     @property
     def steps(self) -> int:
