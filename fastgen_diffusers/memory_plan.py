@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from .kv_cache.accounting import expected_scale_bytes, expected_self_cache_bytes
+from .kv_cache.accounting import expected_kv_cache_bytes
 from .settings import KV_CACHE_DTYPE_NAMES, RolloutSettings
 
 WEIGHT_DTYPES = {
@@ -161,7 +161,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self) if f.name in PLAN_PARTS)
+        return sum(getattr(self, name) for name in PLAN_PARTS)
 
     def summary(self) -> str:
         """One line per part in GiB and the total (what ``bench_end_to_end.py`` prints before running)."""
@@ -189,22 +189,6 @@ def _check_positive(**values: Any) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-
-
-def cached_frames(
-    latent_frames: int,
-    chunk_size: int,
-    kv_cache_policy: str = "sequential",
-    attention_window: int | None = None,
-    context_frames: int | None = None,
-) -> int:
-    """Latent frames the engines allocate per tag for a rollout (the static engine's capacity, what it holds once
-    full): the video or its window (``"sequential"``), context + chunk (``"recompute"``), the video or anchor (one
-    chunk) + window (``"rolling"``, ``attention_window`` defaulting to Rolling Forcing's 21)."""
-    policy = RolloutSettings.from_arguments(
-        kv_cache_policy=kv_cache_policy, context_frames=context_frames
-    ).active_policy
-    return policy.held_frames(latent_frames, chunk_size, attention_window)
 
 
 def plan_rollout_memory(
@@ -284,15 +268,23 @@ def plan_rollout_memory(
     dim = heads * head_dim
     tags = 2 if guidance_scale > 1 else 1
     latent_frames = (num_frames - 1) // 4 + 1
-    tokens_per_frame = (height // 16) * (width // 16)
-    frames = cached_frames(latent_frames, chunk_size, kv_cache_policy, attention_window, context_frames)
-    cache_dtype = compute if kv_cache_dtype is None else WEIGHT_DTYPES[kv_cache_dtype]
-    self_cache = tags * expected_self_cache_bytes(
-        layers, batch_size, heads, frames * tokens_per_frame, head_dim, cache_dtype
+    patch_size = config["patch_size"]
+    tokens_per_frame = (height // 8 // patch_size[-2]) * (width // 8 // patch_size[-1])
+    frames = policy.held_frames(latent_frames, chunk_size, attention_window)
+    self_cache, cross_cache = expected_kv_cache_bytes(
+        num_layers=layers,
+        num_heads=heads,
+        head_dim=head_dim,
+        patch_size=patch_size,
+        height=height,
+        width=width,
+        cached_frames=frames,
+        text_tokens=text_len,
+        dtype=compute,
+        cache_dtype=None if kv_cache_dtype is None else WEIGHT_DTYPES[kv_cache_dtype],
+        batch_size=batch_size,
+        tags=tags,
     )
-    if kv_cache_dtype is not None:
-        self_cache += tags * expected_scale_bytes(layers, batch_size, heads, frames)
-    cross_cache = tags * 2 * layers * batch_size * text_len * dim * compute_bytes
 
     # One forward at a time (CFG branches run one after the other). Live tensors of one block on the tokens of a
     # forward: residual, normed input, q, k, v, attention output, projection (7 x dim), the FFN hidden and its GELU

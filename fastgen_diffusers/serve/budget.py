@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..kv_cache.accounting import expected_scale_bytes, expected_self_cache_bytes
+from ..kv_cache.accounting import expected_kv_cache_bytes
 from ..settings import RolloutSettings
 
 
@@ -25,22 +25,22 @@ def session_cache_bytes(
         text_tokens: the text encoder's tokens (the cross K/V length).
     """
     config = transformer.config
-    window = rollout.cache.attention_window
-    frames = rollout.active_policy.held_frames(num_latent_frames, config.chunk_size, window)
-    patch_h, patch_w = config.patch_size[1:]
-    tokens_per_frame = (height // 8 // patch_h) * (width // 8 // patch_w)
+    frames = rollout.active_policy.held_frames(num_latent_frames, config.chunk_size, rollout.cache.attention_window)
     guidance = rollout.sampling.guidance_scale
-    tags = 2 if guidance is not None and guidance > 1 else 1
-    layers, heads, head_dim = config.num_layers, config.num_attention_heads, config.attention_head_dim
-    dtype = transformer.dtype
-    tokens = frames * tokens_per_frame
-    if rollout.cache.kv_cache_dtype is None:
-        self_bytes = expected_self_cache_bytes(layers, 1, heads, tokens, head_dim, dtype)
-    else:
-        self_bytes = expected_self_cache_bytes(layers, 1, heads, tokens, head_dim, torch.int8)
-        self_bytes += expected_scale_bytes(layers, 1, heads, frames)
-    cross_bytes = expected_self_cache_bytes(layers, 1, heads, text_tokens, head_dim, dtype)
-    return tags * (self_bytes + cross_bytes)
+    self_bytes, cross_bytes = expected_kv_cache_bytes(
+        num_layers=config.num_layers,
+        num_heads=config.num_attention_heads,
+        head_dim=config.attention_head_dim,
+        patch_size=config.patch_size,
+        height=height,
+        width=width,
+        cached_frames=frames,
+        text_tokens=text_tokens,
+        dtype=transformer.dtype,
+        cache_dtype=None if rollout.cache.kv_cache_dtype is None else torch.int8,  # 8-bit: one byte, either kind
+        tags=2 if guidance is not None and guidance > 1 else 1,
+    )
+    return self_bytes + cross_bytes
 
 
 def format_bytes(num_bytes: int) -> str:
