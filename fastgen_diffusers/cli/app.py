@@ -24,7 +24,7 @@ from .checks import (
     settings_arguments,
     wants_vace,
 )
-from .common import add_settings_arguments
+from .common import add_settings_arguments, one_line
 from .convert import add_convert_subparser
 from .decoder import add_decoder_arguments, check_decoder_arguments, use_decoder
 from .i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
@@ -138,7 +138,7 @@ def _load_or_explain(args: argparse.Namespace, dtype):
     except OSError as error:
         if args.model is None or Path(args.model).expanduser().is_dir():
             raise
-        why = f"cannot be loaded from the Hub or the local cache ({one_line(error)[:300]})"
+        why = f"cannot be loaded from the Hub or the local cache ({one_line(error, 300)})"
         raise UsageError(hub_missing_message(args.model, why)) from error
 
 
@@ -244,11 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
     for add_subparser in (add_generate_subparser, add_convert_subparser, add_serve_subparser):
         add_subparser(subparsers)
     return parser
-
-
-def one_line(error: BaseException) -> str:
-    """The message of ``error`` on one line (whitespace runs, newlines included, become one space)."""
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def main(argv: list[str] | None = None) -> int:

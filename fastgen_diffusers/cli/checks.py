@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from ..settings import POLICIES, RolloutSettings
-from .common import SETTINGS_FLAGS, TEMPORAL_FACTOR, UsageError, flag, stored_settings, transformer_layout
+from .common import SETTINGS_FLAGS, TEMPORAL_FACTOR, UsageError, flag, one_line, stored_settings, transformer_layout
 
 # Defaults for a real model (Wan2.1 480p) and for the built-in tiny random model (a seconds-long CPU smoke test).
 REAL_DEFAULTS = {"height": 480, "width": 832, "num_frames": 81}
@@ -296,7 +296,7 @@ def check_model(model: str) -> None:
     except HfHubHTTPError:
         return  # the Hub answered; let the loader report what it finds
     except Exception as error:  # noqa: BLE001  (the HTTP client's connection and timeout errors)
-        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        reason = one_line(error, 200)
         raise UsageError(
             hub_missing_message(model, f"is not in the Hugging Face cache and the Hub is unreachable ({reason})")
         ) from None
@@ -326,7 +326,7 @@ def check_device(device: str | None) -> None:
     try:
         torch.empty(0, device=parsed)
     except (RuntimeError, AssertionError) as error:  # torch raises AssertionError "Torch not compiled with CUDA"
-        reason = " ".join(str(error).split()) or type(error).__name__
+        reason = one_line(error)
         raise UsageError(f"--device {device}: not available on this machine ({reason}).") from None
 
 
@@ -354,7 +354,7 @@ def read_media(name: str, path: Path, kind: str):
     try:
         media = loader(str(path))
     except Exception as error:  # noqa: BLE001  (PIL, imageio and ffmpeg raise many kinds for a bad file)
-        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        reason = one_line(error, 200)
         raise UsageError(
             f"{flag(name)} {path}: cannot be read as {'an image' if kind == 'image' else 'a video'} ({reason})."
         ) from None

@@ -26,6 +26,13 @@ from ..settings import (
     policy_names,
 )
 
+
+def one_line(error: BaseException, limit: int | None = None) -> str:
+    """The message of ``error`` on one line (whitespace runs, newlines included, become one space), cut to ``limit``
+    characters; the error's type name when it has no message."""
+    return " ".join(str(error).split())[:limit] or type(error).__name__
+
+
 TEMPORAL_FACTOR = 4  # Wan VAEs: 4k+1 pixel frames encode to k+1 latent frames
 # The chunk layout of the built-in tiny random models (fastgen_diffusers.testing; tests/test_cli.py keeps them equal):
 # the text- and video-to-video and VACE students chunk by 3 latent frames, the image-to-video one takes its first

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from .common import SETTINGS_FLAGS, add_settings_arguments
+from .common import SETTINGS_FLAGS, add_settings_arguments, one_line
 
 __all__ = ["add_convert_subparser", "run_convert"]
 
@@ -166,7 +166,7 @@ def run_convert(args: argparse.Namespace) -> int:
             **settings,
         )
     except (CheckpointConversionError, OSError, ValueError) as error:
-        raise SystemExit(f"error: {' '.join(str(error).split()) or type(error).__name__}") from None
+        raise SystemExit(f"error: {one_line(error)}") from None
     print(f"Found {result.description}.")
     print(f"Converted {result.copy!r} to {result.output} ({len(result.shards)} transformer shard(s)).")
     print(f"Stored sampling settings ({result.format}): {result.sampling.as_dict()}")

@@ -35,6 +35,7 @@ from typing import Any
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import HTMLResponse, JSONResponse
 
+from ..cli.common import one_line
 from .jpeg import decode_jpeg
 from .sessions import MAX_PROMPT_CHARS, SessionManager, post_from_thread
 from .settings_json import session_settings
@@ -183,7 +184,7 @@ async def _receive(websocket: WebSocket, session, manager: SessionManager, max_p
         try:
             handle_text(text, session, manager)
         except ValueError as error:
-            await reply(_error(" ".join(str(error).split())))
+            await reply(_error(one_line(error)))
 
 
 def _prompt_of(message: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..chunking import chunk_bounds, chunk_layout
+from ..cli.common import one_line
 from ..pipelines.video_io.video_source import chunk_num_frames
 from ..settings import RolloutSettings
 from ..settings.cache import KEY_POSITIONS
@@ -385,7 +386,7 @@ class SessionManager:
                 getattr(self, f"_{kind}")(session)
             except Exception as error:  # a failure ends its own session only
                 self._end_run(session)
-                session.post(("json", {"type": "error", "message": _message(error), "fatal": kind != "start"}))
+                session.post(("json", {"type": "error", "message": one_line(error), "fatal": kind != "start"}))
                 if kind != "start" or was_running:
                     session.post(("json", {"type": "stopped"}))
 
@@ -527,7 +528,7 @@ class SessionManager:
         try:
             self._apply_prompt(session)
         except ValueError as error:  # a bad prompt change is refused; the stream goes on
-            session.post(("json", {"type": "error", "message": _message(error), "fatal": False}))
+            session.post(("json", {"type": "error", "message": one_line(error), "fatal": False}))
             return
         started = time.perf_counter()
         with torch.no_grad():
@@ -583,10 +584,6 @@ def check_prompt_switch(run: Any, frame: int) -> None:
     their own message when not (a policy that denoises several chunks in one forward)."""
     rollout = run.options.settings
     rollout.with_arguments(rollout.arguments(), switch_frames=(max(frame, 1),))
-
-
-def _message(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def post_from_thread(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[tuple], None]:
