@@ -14,7 +14,6 @@ import traceback
 from pathlib import Path
 
 from .. import __version__
-from ..settings import KV_CACHE_DTYPE_NAMES
 from .checks import (
     UsageError,
     check_generate_arguments,
@@ -34,7 +33,6 @@ from .v2v import add_input_video_arguments, input_video_kwargs, load_v2v_pipelin
 
 DTYPES = ("bfloat16", "float16", "float32")
 CONTEXT_PARALLEL_MODES = ("ulysses",)  # fastgen_diffusers.parallel.CONTEXT_PARALLEL_MODES (a test keeps them equal)
-KV_CACHE_DTYPES = KV_CACHE_DTYPE_NAMES
 
 
 class ArgumentParser(argparse.ArgumentParser):

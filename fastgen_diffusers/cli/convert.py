@@ -25,13 +25,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def stored_settings_flags() -> tuple[str, ...]:
     """The settings flags ``convert`` takes: those whose setting a converted model stores
     ([`StudentSettings`])."""

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..settings import CONFIG_KEYS, RolloutSettings, policy_names
+from ..settings import CONFIG_KEYS, RolloutSettings
 
 __all__ = [
     "DEFAULT_SAMPLING",
@@ -24,9 +24,6 @@ __all__ = [
     "get_format",
     "warp_timesteps",
 ]
-
-# the registry's policy names (the CLI's `--kv-cache-policy` choices)
-KV_CACHE_POLICIES = policy_names()
 
 
 @dataclass(frozen=True)
