@@ -108,3 +108,22 @@ def test_serve_streams_through_the_tiny_decoder_of_decoder_taehv(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_the_serve_defaults_agree_everywhere():
+    """The command line, ServeConfig and SessionManager take one set of defaults (serve/defaults.py)."""
+    import inspect
+
+    from fastgen_diffusers.cli.common import DTYPES
+    from fastgen_diffusers.serve import defaults
+    from fastgen_diffusers.serve.server import ServeConfig
+    from fastgen_diffusers.serve.sessions import SessionManager
+
+    args = build_parser().parse_args(["serve"])
+    config, manager = ServeConfig(), inspect.signature(SessionManager).parameters
+    for name, value in [("max_sessions", defaults.MAX_SESSIONS), ("max_frames", defaults.MAX_FRAMES),
+                        ("endless_window", defaults.DEFAULT_ENDLESS_WINDOW)]:  # fmt: skip
+        assert getattr(args, name) == getattr(config, name) == manager[name].default == value, name
+    (dtype,) = [a for a in build_parser()._actions if getattr(a, "choices", None)]
+    (flag,) = [a for a in dtype.choices["serve"]._actions if "--dtype" in a.option_strings]
+    assert tuple(flag.choices) == DTYPES

@@ -23,7 +23,7 @@ from .checks import (
     settings_arguments,
     wants_vace,
 )
-from .common import add_settings_arguments, one_line
+from .common import DTYPES, add_settings_arguments, one_line
 from .convert import add_convert_subparser
 from .decoder import add_decoder_arguments, check_decoder_arguments, use_decoder
 from .i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
@@ -31,7 +31,6 @@ from .layout import check_rollout_layout
 from .serve import add_serve_subparser
 from .v2v import add_input_video_arguments, input_video_kwargs, load_v2v_pipeline, strength_argument, wants_v2v
 
-DTYPES = ("bfloat16", "float16", "float32")
 CONTEXT_PARALLEL_MODES = ("ulysses",)  # fastgen_diffusers.parallel.CONTEXT_PARALLEL_MODES (a test keeps them equal)
 
 

@@ -33,6 +33,7 @@ def one_line(error: BaseException, limit: int | None = None) -> str:
     return " ".join(str(error).split())[:limit] or type(error).__name__
 
 
+DTYPES = ("bfloat16", "float16", "float32")  # --dtype: the model's dtype
 TEMPORAL_FACTOR = 4  # Wan VAEs: 4k+1 pixel frames encode to k+1 latent frames
 # The chunk layout of the built-in tiny random models (fastgen_diffusers.testing; tests/test_cli.py keeps them equal):
 # the text- and video-to-video and VACE students chunk by 3 latent frames, the image-to-video one takes its first

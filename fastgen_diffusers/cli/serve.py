@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 
+from ..serve.defaults import DEFAULT_ENDLESS_WINDOW, MAX_FRAMES, MAX_SESSIONS
 from ..settings import RolloutSettings, SamplingSettings
 from .checks import UsageError
+from .common import DTYPES
 from .decoder import add_decoder_arguments, check_decoder_arguments, use_decoder
 
 SERVE_MODULES = ("fastapi", "uvicorn")
@@ -29,7 +31,7 @@ def add_serve_subparser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=7860, help="port (default: 7860)")
     parser.add_argument("--token", help="a secret every connection must present as ?token=... (open the page so)")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="model dtype of --model")
+    parser.add_argument("--dtype", choices=DTYPES, help="model dtype of --model")
     parser.add_argument(
         "--steps", type=int, help=RolloutSettings.help_of("num_inference_steps") + " A session may ask for others."
     )
@@ -39,16 +41,21 @@ def add_serve_subparser(subparsers: argparse._SubParsersAction) -> None:
         help="KV-cache memory all sessions may hold together; a session that does not fit is refused (default: 80%% "
         "of the GPU memory free after loading, 4 GiB on a CPU)",
     )
-    parser.add_argument("--max-sessions", type=int, default=4, help="sessions served at once (default: 4)")
     parser.add_argument(
-        "--max-frames", type=int, default=481, help="the most frames a session may ask for (default: 481)"
+        "--max-sessions", type=int, default=MAX_SESSIONS, help=f"sessions served at once (default: {MAX_SESSIONS})"
+    )
+    parser.add_argument(
+        "--max-frames",
+        type=int,
+        default=MAX_FRAMES,
+        help=f"the most frames a session may ask for (default: {MAX_FRAMES})",
     )
     parser.add_argument(
         "--endless-window",
         type=int,
-        default=21,
+        default=DEFAULT_ENDLESS_WINDOW,
         help="latent frames of the sliding attention window an endless stream (num_frames: null) gets when its "
-        "settings leave the KV cache unbounded (default: 21); 0: refuse such a stream",
+        f"settings leave the KV cache unbounded (default: {DEFAULT_ENDLESS_WINDOW}); 0: refuse such a stream",
     )
     parser.add_argument(
         "--allow-origin", action="append", default=[], help="another page origin allowed to open sessions (repeatable)"

@@ -18,7 +18,8 @@ import uvicorn
 
 from ..settings import RolloutSettings
 from .app import MAX_MESSAGE_BYTES, create_app
-from .sessions import DEFAULT_ENDLESS_WINDOW, SessionManager
+from .defaults import DEFAULT_ENDLESS_WINDOW, MAX_FRAMES, MAX_SESSIONS
+from .sessions import SessionManager
 
 TINY_DEFAULTS = {"height": 64, "width": 64}
 MODEL_DEFAULTS = {"height": 480, "width": 832}
@@ -35,8 +36,8 @@ class ServeConfig:
     device: str | None = None
     dtype: str | None = None
     cache_budget_gb: float | None = None
-    max_sessions: int = 4
-    max_frames: int = 481
+    max_sessions: int = MAX_SESSIONS
+    max_frames: int = MAX_FRAMES
     endless_window: int | None = DEFAULT_ENDLESS_WINDOW  # None: refuse an endless stream with an unbounded cache
     steps: int | None = None  # None: the model's stored schedule (4 steps without one)
     allowed_origins: tuple[str, ...] = ()

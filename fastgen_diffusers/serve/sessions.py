@@ -36,11 +36,11 @@ from ..pipelines.video_io.video_source import chunk_num_frames
 from ..settings import RolloutSettings
 from ..settings.cache import KEY_POSITIONS
 from .budget import CacheBudget, session_cache_bytes
+from .defaults import DEFAULT_ENDLESS_WINDOW, MAX_FRAMES, MAX_SESSIONS
 from .jpeg import encode_frames, to_uint8
 from .settings_json import SessionSettings
 
 MAX_PROMPT_CHARS = 2000
-DEFAULT_ENDLESS_WINDOW = 21  # latent frames (Self-Forcing's training length; Rolling Forcing's window)
 
 
 def endless_settings(
@@ -190,8 +190,8 @@ class SessionManager:
         session_defaults: dict[str, Any],
         rollout_defaults: RolloutSettings,
         budget_bytes: int,
-        max_frames: int = 481,
-        max_sessions: int = 8,
+        max_frames: int = MAX_FRAMES,
+        max_sessions: int = MAX_SESSIONS,
         max_pending_chunks: int = 2,
         max_sequence_length: int = 512,
         endless_window: int | None = DEFAULT_ENDLESS_WINDOW,
