@@ -894,3 +894,49 @@ def test_health_reads_the_cache_bytes_the_worker_stored_never_the_engines(pipe, 
         go.release()
         manager.close(session)
         manager.stop_all()
+
+
+def test_a_failing_encoder_ends_its_session_with_a_fatal_error(server, monkeypatch):
+    """An encoder failure (not the RuntimeError of a gone client) is told as a fatal ``error`` and the connection
+    closes, freeing the session, rather than a sender that dies silently and a session that stalls."""
+    from fastgen_diffusers.serve import sessions
+
+    def broken(*args, **kwargs):
+        raise TypeError("the encoder broke")
+
+    monkeypatch.setattr(sessions, "encode_frames", broken)
+    address, _ = server
+
+    async def run():
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(num_frames=None))
+            error = (await receive_until(ws, "error"))[-1]
+            with pytest.raises(websockets.exceptions.ConnectionClosed):
+                while True:
+                    await receive_message(ws, timeout=30)
+            return error
+
+    error = asyncio.run(run())
+    assert error["fatal"] and "the encoder broke" in error["message"], error
+    asyncio.run(wait_idle(address))
+
+
+def test_a_sender_that_fails_closes_its_connection(server, monkeypatch):
+    """Any other failure of a connection's sender closes the connection (its session ends) instead of a stall."""
+
+    def broken(self, session, slot):
+        raise TypeError("the sender broke")
+
+    monkeypatch.setattr(SessionManager, "take_chunk", broken)
+    address, _ = server
+
+    async def run():
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(num_frames=None))
+            with pytest.raises(websockets.exceptions.ConnectionClosed):
+                while True:
+                    await receive_message(ws, timeout=30)
+            return ws.close_code
+
+    assert asyncio.run(run()) == 1011
+    asyncio.run(wait_idle(address))

@@ -29,6 +29,7 @@ import asyncio
 import json
 import secrets
 from contextlib import asynccontextmanager
+from functools import partial
 from importlib import resources
 from typing import Any
 
@@ -48,6 +49,7 @@ MAX_QUEUED_REPLIES = 64
 # is closed with code 1009 and a reason naming the limit (the session then ends as on a disconnect).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 INPUTS = ("text", "video")
+_background: set[asyncio.Task] = set()  # closes in flight (a task needs a reference while it runs)
 MESSAGE_TYPES = ("start", "prompt", "stop")
 
 
@@ -113,6 +115,7 @@ def create_app(
             return
         session.outbox = outbox
         sender = asyncio.create_task(_send(websocket, outbox, session, manager))
+        sender.add_done_callback(partial(_close_on_failure, websocket))
         try:
             await _receive(websocket, session, manager, max_pending_frames)
         except WebSocketDisconnect:
@@ -143,13 +146,34 @@ async def _send(websocket: WebSocket, outbox: asyncio.Queue, session, manager: S
             if encode is None:
                 continue
             try:
-                frames = await asyncio.to_thread(encode)  # the chunk's encoding, off the event loop
+                try:
+                    frames = await asyncio.to_thread(encode)  # the chunk's encoding, off the event loop
+                except Exception as error:  # noqa: BLE001  (a failing encoder ends this session, told so)
+                    message = f"Encoding chunk {slot.meta['index']} failed: {one_line(error)}"
+                    await websocket.send_json(_error(message, fatal=True))
+                    await websocket.close(code=1011)
+                    return
                 await websocket.send_json(slot.meta)
                 for frame in frames:
                     await websocket.send_bytes(frame)
             finally:
                 manager.chunk_sent(session)
     except (WebSocketDisconnect, RuntimeError):  # the client left; the receive loop closes the session
+        pass
+
+
+def _close_on_failure(websocket: WebSocket, sender: asyncio.Task) -> None:
+    """The sender ended on an error it did not handle: close the connection (its session then ends) rather than leave
+    a session whose chunks are never sent."""
+    if not sender.cancelled() and sender.exception() is not None:
+        _background.add(task := asyncio.ensure_future(_close_quietly(websocket)))
+        task.add_done_callback(_background.discard)
+
+
+async def _close_quietly(websocket: WebSocket) -> None:
+    try:
+        await websocket.close(code=1011)
+    except Exception:  # noqa: BLE001  (already closed)
         pass
 
 
