@@ -23,7 +23,7 @@ from .checks import (
     settings_arguments,
     wants_vace,
 )
-from .common import DTYPES, add_settings_arguments, one_line
+from .common import DTYPES, add_settings_arguments, device_and_dtype, one_line, vae_in_float32
 from .convert import add_convert_subparser
 from .decoder import add_decoder_arguments, check_decoder_arguments, use_decoder
 from .i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
@@ -178,8 +178,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from ..pipelines.rollout.live import stream_to_video
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    device, dtype = device_and_dtype(args.device, args.dtype)
     pipe = _load_or_explain(args, dtype)
     main_process = True
     if args.context_parallel:
@@ -189,9 +188,7 @@ def run_generate(args: argparse.Namespace) -> int:
         device, main_process = setup.device, setup.main
     else:
         pipe.to(device)
-    if pipe.vae.dtype != torch.float32:  # the VAE decodes in float32, as diffusers' Wan examples load it
-        pipe.vae.to(torch.float32)
-    pipe = use_decoder(pipe, args)  # --decoder taehv PATH: the tiny autoencoder as the VAE
+    pipe = use_decoder(vae_in_float32(pipe), args)  # --decoder taehv PATH: the tiny autoencoder as the VAE
     call_kwargs = {
         "prompt": args.prompt,
         "negative_prompt": args.negative_prompt,

@@ -33,6 +33,24 @@ def one_line(error: BaseException, limit: int | None = None) -> str:
     return " ".join(str(error).split())[:limit] or type(error).__name__
 
 
+def device_and_dtype(device: str | None, dtype: str | None) -> tuple[Any, Any]:
+    """``(torch.device, torch dtype)`` of the ``--device`` and ``--dtype`` flags: CUDA when available, else the CPU;
+    bfloat16 on CUDA, else float32 (imports torch)."""
+    import torch
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return device, getattr(torch, dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+
+
+def vae_in_float32(pipe: Any) -> Any:
+    """``pipe`` with its VAE in float32 (it decodes so, as diffusers' Wan examples load it)."""
+    import torch
+
+    if pipe.vae.dtype != torch.float32:
+        pipe.vae.to(torch.float32)
+    return pipe
+
+
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype: the model's dtype
 TEMPORAL_FACTOR = 4  # Wan VAEs: 4k+1 pixel frames encode to k+1 latent frames
 # The chunk layout of the built-in tiny random models (fastgen_diffusers.testing; tests/test_cli.py keeps them equal):

@@ -65,22 +65,18 @@ class SessionServer(uvicorn.Server):
 def load_pipeline(model: str | None, device: str | None, dtype: str | None) -> tuple[Any, str, str]:
     """``(pipe, model name, device)``: the model at ``model`` (a diffusers directory or Hub id), or the built-in tiny
     random model."""
-    import torch
-
     from .. import testing
+    from ..cli.common import device_and_dtype, vae_in_float32
     from ..pipelines import WanCausalPipeline
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_device, torch_dtype = device_and_dtype(device, dtype)
     if model is None:
         pipe, name = testing.tiny_pipeline(), "tiny (random weights)"
     else:
-        torch_dtype = getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
         pipe, name = WanCausalPipeline.from_pretrained(model, dtype=torch_dtype), model
-    pipe.to(device)
-    if pipe.vae.dtype != torch.float32:
-        pipe.vae.to(torch.float32)
+    pipe = vae_in_float32(pipe.to(torch_device))
     pipe.set_progress_bar_config(disable=True)
-    return pipe, name, device
+    return pipe, name, device or str(torch_device)
 
 
 def default_budget_bytes(device: str, fraction: float = 0.8) -> int:
