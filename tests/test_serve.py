@@ -633,7 +633,7 @@ def test_an_endless_stream_equals_the_pipelines_endless_run(endless_pipe):
         chunks = asyncio.run(run(address))
         settings = session_settings({**RAW, **rollout}, {"seed": 7}, srv.manager.rollout_defaults, video=False)
     config = endless_pipe.transformer.config
-    _, _, planned = endless_settings(endless_pipe.stored_settings(), settings, config.chunk_size, 12)
+    _, _, _, planned = endless_settings(endless_pipe.stored_settings(), settings, config.chunk_size, 12)
     generator = torch.Generator("cpu").manual_seed(7)
     call = {k: v for k, v in RAW.items() if k not in ("seed", "encoding")}
     options = endless_pipe.stream_options(

@@ -50,9 +50,10 @@ def endless_settings(
     rope_table: int,
     independent_first_frame: bool = False,
     default_window: int | None = DEFAULT_ENDLESS_WINDOW,
-) -> tuple[SessionSettings, bool, int]:
+) -> tuple[SessionSettings, RolloutSettings, bool, int]:
     """A session's settings for an endless stream (``num_frames: null``), asking the settings values whether they serve
-    one: ``(settings, rope_rebasing, planned latent frames)``.
+    one: ``(settings, resolved rollout, rope_rebasing, planned latent frames)``; the resolved rollout is ``stored``
+    under the settings' own (what the run resolves to).
 
     The KV cache must stay bounded: the policy's ``held_frames`` must not grow with the video (a sliding
     ``attention_window``, or a policy that bounds the cache itself, as recompute does). Settings that leave it
@@ -83,7 +84,7 @@ def endless_settings(
     rebasing = not KEY_POSITIONS[resolved.cache.positions].keys_before_rope
     bounds = chunk_bounds(chunk_layout(far, chunk_size, independent_first_frame))
     resolved.check_chunks(bounds, chunk_size, rope_table=rope_table, rope_rebasing=rebasing)
-    return settings, rebasing, min(held(resolved, far) + 3 * chunk_size, far)
+    return settings, resolved, rebasing, min(held(resolved, far) + 3 * chunk_size, far)
 
 
 def session_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
@@ -456,13 +457,15 @@ class SessionManager:
         config = pipe.transformer.config
         temporal = pipe.vae_scale_factor_temporal
         rebasing = getattr(self.pipe.transformer, "rope_rebasing", False)  # the server's model's own
+        stored = pipe.stored_settings()
         if num_frames is None:  # endless: bounded cache and positions, or refused
-            settings, endless_rebasing, latent_frames = endless_settings(
-                pipe.stored_settings(), settings, config.chunk_size, config.rope_max_seq_len,
-                config.independent_first_frame, self.endless_window,
+            settings, rollout, endless_rebasing, latent_frames = endless_settings(
+                stored, settings, config.chunk_size, config.rope_max_seq_len, config.independent_first_frame,
+                self.endless_window,
             )  # fmt: skip
             rebasing = rebasing or endless_rebasing
         else:
+            rollout = stored.merge(settings.rollout)  # what the call resolves to, before any allocation
             latent_frames = (num_frames - 1) // temporal + 1
         pipe.transformer.enable_rope_rebasing(rebasing)  # the session's own transformer
         session.video, session.settings = video, settings
@@ -473,7 +476,6 @@ class SessionManager:
         else:
             call["num_frames"] = (latent_frames - 1) * temporal + 1 if num_frames is None else num_frames
         options = pipe.stream_options(**call)
-        rollout = pipe.stored_settings().merge(settings.rollout)  # what the call resolves to, before any allocation
         needed = session_cache_bytes(
             pipe.transformer, rollout, settings.height, settings.width, latent_frames, self.max_sequence_length
         )
