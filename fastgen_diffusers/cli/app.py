@@ -23,7 +23,7 @@ from .checks import (
     settings_arguments,
     wants_vace,
 )
-from .common import DTYPES, add_settings_arguments, device_and_dtype, one_line, vae_in_float32
+from .common import DTYPES, add_settings_arguments, device_and_dtype, flag, one_line, vae_in_float32
 from .convert import add_convert_subparser
 from .decoder import add_decoder_arguments, check_decoder_arguments, use_decoder
 from .i2v import add_image_arguments, conditioning_kwargs, load_i2v_pipeline, wants_i2v
@@ -148,13 +148,13 @@ def _vace_kwargs(args: argparse.Namespace) -> dict:
         if path is None:
             continue
         frames = read_media(name, path, "video")
-        flag = "--" + name.replace("_", "-")
+        option = flag(name)
         if len(frames) < args.num_frames:
-            raise UsageError(f"{flag} {path}: has {len(frames)} frames, fewer than --num-frames {args.num_frames}.")
+            raise UsageError(f"{option} {path}: has {len(frames)} frames, fewer than --num-frames {args.num_frames}.")
         if frames[0].size != (args.width, args.height):
             width, height = frames[0].size
             raise UsageError(
-                f"{flag} {path}: frames are {width}x{height}, the output is {args.width}x{args.height} (--width x "
+                f"{option} {path}: frames are {width}x{height}, the output is {args.width}x{args.height} (--width x "
                 "--height); resize the video or pass its size."
             )
         kwargs[key] = frames

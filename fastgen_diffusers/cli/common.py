@@ -25,6 +25,7 @@ from ..settings import (
     argument_names,
     policy_names,
 )
+from ..settings.prompts import TEMPORAL_FACTOR  # Wan VAEs: 4k+1 pixel frames encode to k+1 latent frames
 
 
 def one_line(error: BaseException, limit: int | None = None) -> str:
@@ -52,7 +53,6 @@ def vae_in_float32(pipe: Any) -> Any:
 
 
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype: the model's dtype
-TEMPORAL_FACTOR = 4  # Wan VAEs: 4k+1 pixel frames encode to k+1 latent frames
 # The chunk layout of the built-in tiny random models (fastgen_diffusers.testing; tests/test_cli.py keeps them equal):
 # the text- and video-to-video and VACE students chunk by 3 latent frames, the image-to-video one takes its first
 # frame alone.

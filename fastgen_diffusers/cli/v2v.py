@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checks import CONDITIONED_INPUTS, SIZE_MULTIPLE, read_media
-from .common import TEMPORAL_FACTOR, UsageError, transformer_layout
+from .common import TEMPORAL_FACTOR, UsageError, flag, transformer_layout
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +65,7 @@ def check_input_video_arguments(args: argparse.Namespace) -> None:
         return
     others = [name for name in OTHER_INPUTS if getattr(args, name, None)]
     if others:
-        names = "/".join("--" + name.replace("_", "-") for name in others)
+        names = "/".join(flag(name) for name in others)
         raise UsageError(f"--input-video cannot be combined with {names} (it is the video to restyle).")
     if args.strength is None:
         args.strength = DEFAULT_STRENGTH

@@ -77,9 +77,8 @@ class StudentSettings:
     def __post_init__(self):
         if self.timesteps is None:
             raise ValueError("`timesteps` must be a list of model-scale timesteps, got None.")
-        if self.shift is None or isinstance(self.shift, bool) or not isinstance(self.shift, (int, float)):
-            raise ValueError(f"`shift` must be a positive number, got {self.shift}.")
-        if not math.isfinite(self.shift) or self.shift <= 0:
+        shift = self.shift
+        if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift) or shift <= 0:
             raise ValueError(f"`shift` must be a positive number, got {self.shift}.")
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"`chunk_size` must be a positive number of latent frames, got {self.chunk_size}.")
