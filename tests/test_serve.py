@@ -940,3 +940,28 @@ def test_a_sender_that_fails_closes_its_connection(server, monkeypatch):
 
     assert asyncio.run(run()) == 1011
     asyncio.run(wait_idle(address))
+
+
+def test_a_video_chunk_runs_once_its_own_frames_are_in(server):
+    """A video run reads its first chunk's frames when it starts: that chunk runs with exactly its own frames (9),
+    without waiting for the next chunk's, and each later chunk once its own 12 have arrived."""
+    address, _ = server
+    rng = np.random.default_rng(2)
+    sent = [encode_jpeg(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), 90) for _ in range(21)]
+
+    async def run():
+        async with websockets.connect(f"ws://{address}/ws") as ws:
+            await ws.send(start(source="video", num_frames=21))
+            await receive_until(ws, "waiting")
+            for frame in sent[:9]:
+                await ws.send(frame)
+            first = await receive_chunks(ws, 1, timeout=30)  # waited for the next chunk's frames before the fix
+            for frame in sent[9:]:
+                await ws.send(frame)
+            second = await receive_chunks(ws, 1, timeout=30)
+            await receive_until(ws, "stopped")
+            return first + second
+
+    chunks = asyncio.run(run())
+    assert [(meta["index"], len(frames)) for meta, frames in chunks] == [(0, 9), (1, 12)]
+    asyncio.run(wait_idle(address))

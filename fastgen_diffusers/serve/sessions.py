@@ -142,6 +142,7 @@ class Session:
         self.chunks: Iterator | None = None
         self.next_chunk = 0
         self.frames_sent = 0
+        self.frames_taken = 0  # input frames the video run has read so far (the first chunk's, at its start)
         self.num_frames: int | None = None
         self.frame_size: tuple[int, int] | None = None
 
@@ -358,8 +359,15 @@ class SessionManager:
         return None
 
     def _frames_ready(self, session: Session, chunk_index: int, start: dict | None = None) -> bool:
-        video = session.video if start is None else start.get("input") == "video"
-        return not video or len(session.frames) >= self.frames_needed(chunk_index)
+        """Whether every input frame up to chunk ``chunk_index`` has arrived (a start: the first chunk's, in the new
+        run's deque). Counted against what the run has read already: it reads the first chunk's frames when it
+        starts, so that chunk then runs without waiting for the next chunk's."""
+        if start is not None:
+            return start.get("input") != "video" or len(session.frames) >= self.frames_needed(0)
+        if not session.video:
+            return True
+        through = self.frames_needed(0) + chunk_index * self.frames_needed(1)  # later chunks all take as many
+        return session.frames_taken + len(session.frames) >= through
 
     def frames_needed(self, chunk_index: int) -> int:
         """Input frames of a video session's chunk ``chunk_index`` (all of them arrive before it runs)."""
@@ -472,7 +480,8 @@ class SessionManager:
         call = {"prompt": message["prompt"], **settings.call_kwargs(), "output_type": "np"}
         call["generator"] = torch.Generator("cpu").manual_seed(settings.seed)
         if video:
-            call["video"] = self._video_frames(frames)
+            session.frames_taken = 0
+            call["video"] = self._video_frames(session, frames)
         else:
             call["num_frames"] = (latent_frames - 1) * temporal + 1 if num_frames is None else num_frames
         options = pipe.stream_options(**call)
@@ -493,14 +502,15 @@ class SessionManager:
         resolved = {**settings.to_dict(session.run.options.settings), "num_frames": num_frames}
         session.post(("json", {"type": "started", "settings": resolved, "generation": generation}))
 
-    def _video_frames(self, frames: deque[np.ndarray]) -> Iterator[np.ndarray]:
+    def _video_frames(self, session: Session, frames: deque[np.ndarray]) -> Iterator[np.ndarray]:
         """The frames arrived for one run (its own deque: a restart gives the session a new one), one by one (the
-        worker reads a chunk's frames only once they are all in)."""
+        worker reads a chunk's frames only once they are all in), counted in ``session.frames_taken``."""
         while True:
             with self._cond:
                 if not frames:
                     return
                 frame = frames.popleft()
+                session.frames_taken += 1
             yield frame
 
     def _apply_prompt(self, session: Session) -> None:
